@@ -3,7 +3,7 @@
 - ``GlobalStore`` (one per KV source): FP4 global rows and index keys, one row per ``r``
   tokens, plus the fp32 compressor tail (the ``< r`` tokens not yet pooled). Shareable: a prefix
   hit copies the rows below the hit into a new request's cache.
-- ``WindowRing`` (one per layer): the last ``W`` window rows in FP8, slot = position % W, each
+- ``WindowRing`` (one per layer): the last ``W`` window rows in FP8 (2W for layer E), slot = position % size, each
   slot tagged with its position (-1 = empty), so a reader can never see a row from outside its
   window or from another occupant.
 """
@@ -34,6 +34,14 @@ class GlobalStore:
     def num_rows(self) -> int:
         return self.rows.shape[0]
 
+    def append(self, rows: Tensor, row_scales: Tensor | None, index_rows: Tensor,
+               index_scales: Tensor | None) -> None:
+        self.rows = torch.cat([self.rows, rows])
+        self.index_rows = torch.cat([self.index_rows, index_rows])
+        if row_scales is not None:
+            self.row_scales = torch.cat([self.row_scales, row_scales])
+            self.index_scales = torch.cat([self.index_scales, index_scales])
+
     def truncated(self, num_rows: int) -> "GlobalStore":
         """A copy holding rows [0, num_rows) and no tail: what a prefix hit shares."""
         cut = lambda t: None if t is None else t[:num_rows].clone()  # noqa: E731
@@ -45,7 +53,17 @@ class GlobalStore:
 class WindowRing:
     rows: Tensor  # (W, D) uint8 FP8 codes, or (W, D) f32 unquantized
     scales: Tensor | None  # (W, D/32) uint8 E8M0
-    pos: Tensor  # (W,) int64, -1 = empty
+    pos: Tensor  # (S,) int64, -1 = empty
+
+    def store(self, codes: Tensor, scales: Tensor | None, pos: Tensor) -> None:
+        """Keep the last S of the new rows, at slot = position % S."""
+        S = self.pos.shape[0]
+        last = slice(max(0, pos.shape[0] - S), pos.shape[0])
+        slots = pos[last] % S
+        self.rows[slots] = codes[last]
+        if scales is not None:
+            self.scales[slots] = scales[last]
+        self.pos[slots] = pos[last]
 
 
 @dataclass
@@ -57,6 +75,12 @@ class SequenceCache:
     window_floor: int
     sources: dict[int, GlobalStore] = field(default_factory=dict)
     rings: dict[int, WindowRing] = field(default_factory=dict)
+
+
+def ring_size(cfg, layer: int) -> int:
+    """W rows per layer; layer E keeps 2W: a decoder tail of W rows carried over from an
+    earlier chunk reads E's window W - 1 rows further back (see serving/pool_keys.py)."""
+    return 2 * cfg.sliding_window if layer == cfg.decoder_start else cfg.sliding_window
 
 
 def new_cache(cfg, quantize: bool) -> SequenceCache:
@@ -73,10 +97,11 @@ def new_cache(cfg, quantize: bool) -> SequenceCache:
             index_scales=_empty(Di // 32 if q else None, torch.uint8),
             tail_kv=torch.zeros(0, D), tail_gate=torch.zeros(0, D))
     for layer in range(cfg.num_hidden_layers):
+        S = ring_size(cfg, layer)
         cache.rings[layer] = WindowRing(
-            rows=torch.zeros(W, D, dtype=torch.uint8 if quantize else torch.float32),
-            scales=torch.zeros(W, D // 32, dtype=torch.uint8) if quantize else None,
-            pos=torch.full((W,), -1, dtype=torch.long))
+            rows=torch.zeros(S, D, dtype=torch.uint8 if quantize else torch.float32),
+            scales=torch.zeros(S, D // 32, dtype=torch.uint8) if quantize else None,
+            pos=torch.full((S,), -1, dtype=torch.long))
     return cache
 
 

@@ -1,14 +1,15 @@
-"""Where a layer's keys come from during one forward of one request.
+"""Where a layer's keys come from during one forward.
 
-The model's layer loop (``model.py``) asks a :class:`KeySource` for window keys and global
-entries; two implementations give the two ways to run the reference model:
+The model's layer loop (``model.py``) asks a :class:`KeySource` for window keys, global entries
+and the rows the decoder runs on. Three implementations:
 
-- :class:`WholeSequenceKeys`: no cache; every key is computed in this forward (cold, untrimmed).
-- :class:`CachedKeys`: explicit caches (:mod:`cache`) read and written under an
-  :class:`ExtendPlan` (replay floors, write floor), i.e. the incremental forward.
+- :class:`WholeSequenceKeys`: no cache; one request, every key computed in this forward.
+- :class:`CachedKeys`: explicit per-request caches (:mod:`cache`) read and written under an
+  :class:`ExtendPlan` (replay floors, write floor, narrowing): the incremental reference.
+- ``cedar.backend.serving.pool_keys.PoolKeys``: SGLang's token slots and request slots.
 
-Both present keys exactly as a cache reader would see them (quantize -> dequantize when
-quantization is on), so the two agree up to floating-point reassociation.
+All present keys exactly as a cache reader would see them (quantize -> dequantize when
+quantization is on), so they agree up to floating-point reassociation.
 """
 
 from __future__ import annotations
@@ -21,60 +22,81 @@ from torch import Tensor
 from .cache import SequenceCache
 from .compressor import Compressor
 from .kv_codec import KVCodec
+from .rows import DecoderRows, RowBatch
 
 
 @dataclass(frozen=True)
 class GlobalView:
-    entries: Tensor  # (Nc, D) f32 dequantized global rows
+    entries: Tensor  # (Nc, D) f32 dequantized global rows, request b in rows cu[b]:cu[b+1]
     index_keys: Tensor  # (Nc, Di) f32 dequantized index keys
     entry_pos: Tensor  # (Nc,) int64: position from which each entry is visible
+    cu: Tensor  # (B + 1,) int32
+
+
+@dataclass(frozen=True)
+class WindowKeys:
+    keys: Tensor  # (N, D) f32 window keys (= values), request b in rows cu[b]:cu[b+1]
+    pos: Tensor  # (N,) int64 key positions
+    cu: Tensor  # (B + 1,) int32
 
 
 class KeySource:
-    """Contract: ``write_global`` is called once per KV source before any layer reads that source
-    in this forward; ``window_keys`` once per layer and forward (it also stores the new rows)."""
+    """Contract, per forward: ``write_global`` once per KV source before any layer reads it;
+    ``window_keys`` once per layer (it stores the new rows, then returns every readable key);
+    ``decoder_rows`` once, at the cut before layer E's attention (after E's global write and
+    window store); ``window_floor`` gives each request's lowest readable window position for a
+    layer (the decoder's is known once ``decoder_rows`` ran)."""
 
-    def write_global(self, layer: int, comp: Compressor, x: Tensor, pos: Tensor) -> None:
+    def write_global(self, layer: int, comp: Compressor, x: Tensor, batch: RowBatch) -> None:
         raise NotImplementedError
 
     def global_view(self, source: int) -> GlobalView:
         raise NotImplementedError
 
-    def window_keys(self, layer: int, kv: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
-        """kv: (T, D) f32 new rows at positions pos (T,) -> keys (N, D) f32, key positions (N,)."""
+    def window_keys(self, layer: int, kv: Tensor, batch: RowBatch) -> WindowKeys:
         raise NotImplementedError
 
-    def window_floor(self, layer: int) -> int:
+    def decoder_rows(self, h: Tensor, batch: RowBatch) -> DecoderRows | None:
+        raise NotImplementedError
+
+    def window_floor(self, layer: int) -> Tensor:  # (B,) int64
         raise NotImplementedError
 
 
-def _entry_positions(num: int, ratio: int, first: int = 0) -> Tensor:
-    return (torch.arange(first, first + num, dtype=torch.long) + 1) * ratio - 1
+def entry_positions(num: int, ratio: int) -> Tensor:
+    """(num,) int64: entry g becomes visible at its group's last position g*r + r - 1."""
+    return (torch.arange(num, dtype=torch.long) + 1) * ratio - 1
+
+
+def _cu(n: int) -> Tensor:
+    return torch.tensor([0, n], dtype=torch.int32)
 
 
 class WholeSequenceKeys(KeySource):
-    """Cold, whole-sequence forward: all rows at positions 0..T-1, nothing cached."""
+    """Cold, whole-sequence forward of one request: rows at positions 0..T-1, nothing cached."""
 
     def __init__(self, codec: KVCodec) -> None:
         self.codec = codec
         self.views: dict[int, GlobalView] = {}
 
-    def write_global(self, layer, comp, x, pos):
+    def write_global(self, layer, comp, x, batch):
         G = x.shape[0] // comp.ratio
         kv, gate = comp.project(x[: G * comp.ratio])
         rows, index = comp.pool(kv, gate, torch.arange(G, dtype=torch.long) * comp.ratio)
-        self.views[layer] = GlobalView(self.codec.roundtrip("global", rows),
-                                       self.codec.roundtrip("index", index),
-                                       _entry_positions(G, comp.ratio))
+        self.views[layer] = GlobalView(self.codec.roundtrip("global", rows), self.codec.roundtrip("index", index),
+                                       entry_positions(G, comp.ratio), _cu(G))
 
     def global_view(self, source):
         return self.views[source]
 
-    def window_keys(self, layer, kv, pos):
-        return self.codec.roundtrip("window", kv), pos
+    def window_keys(self, layer, kv, batch):
+        return WindowKeys(self.codec.roundtrip("window", kv), batch.pos, _cu(kv.shape[0]))
+
+    def decoder_rows(self, h, batch):
+        return DecoderRows(h, batch, torch.arange(h.shape[0]))
 
     def window_floor(self, layer):
-        return 0
+        return torch.zeros(1, dtype=torch.long)
 
 
 @dataclass(frozen=True)
@@ -84,8 +106,9 @@ class ExtendPlan:
     window_floor: lowest window-key position any query reads (encoder replay start, else 0).
     write_floor: global / index rows of groups whose last position is below it are never
         written (they are the shared prefix); a group straddling it is written.
-    narrow: run the layers after E on the last min(W, rows) rows only (decoder-side replay).
-    skip_decoder: a non-final prefill chunk: stop after layer E (its global KV is written).
+    narrow: a forward of more than W rows runs layer E's attention and the layers after it on
+        its last W rows only, whose decoder windows read nothing below the first of them.
+    skip_decoder: a non-final prefill chunk: stop after layer E's global KV and window write.
     """
 
     window_floor: int = 0
@@ -95,16 +118,19 @@ class ExtendPlan:
 
 
 class CachedKeys(KeySource):
-    def __init__(self, cache: SequenceCache, codec: KVCodec, plan: ExtendPlan, window: int) -> None:
-        self.cache, self.codec, self.plan, self.window = cache, codec, plan, window
-        self.decoder_floor: int | None = None  # set by the model when it narrows
+    """One request over a :class:`SequenceCache`."""
 
-    def write_global(self, layer, comp, x, pos):
+    def __init__(self, cache: SequenceCache, codec: KVCodec, plan: ExtendPlan, window: int,
+                 decoder_start: int) -> None:
+        self.cache, self.codec, self.plan, self.window, self.E = cache, codec, plan, window, decoder_start
+        self.decoder_floor = plan.window_floor
+
+    def write_global(self, layer, comp, x, batch):
         store, r = self.cache.sources[layer], comp.ratio
         kv, gate = comp.project(x)
         kv = torch.cat([store.tail_kv, kv])
         gate = torch.cat([store.tail_gate, gate]) if gate is not None else None
-        first = int(pos[0]) - store.tail_kv.shape[0]  # position of the first pending row
+        first = int(batch.pos[0]) - store.tail_kv.shape[0]  # position of the first pending row
         if first % r:
             raise ValueError(f"layer {layer}: compressor tail starts at {first}, not a multiple of {r}")
         G = kv.shape[0] // r
@@ -119,42 +145,43 @@ class CachedKeys(KeySource):
             raise ValueError(f"layer {layer}: replayed group below the write floor is not cached")
         if not keep.any():
             return
-        g0 = int(groups[keep][0])
-        if g0 != store.num_rows:
-            raise ValueError(f"layer {layer}: writing group {g0} but the store holds {store.num_rows} rows")
+        if int(groups[keep][0]) != store.num_rows:
+            raise ValueError(f"layer {layer}: writing group {int(groups[keep][0])} but the store "
+                             f"holds {store.num_rows} rows")
         sel = keep.repeat_interleave(r)
         rows, index = comp.pool(kv[:done][sel], gate[:done][sel] if gate is not None else None,
                                 groups[keep] * r)
-        codes, scales = self.codec.encode("global", rows)
-        icodes, iscales = self.codec.encode("index", index)
-        store.rows = torch.cat([store.rows, codes])
-        store.index_rows = torch.cat([store.index_rows, icodes])
-        if scales is not None:
-            store.row_scales = torch.cat([store.row_scales, scales])
-            store.index_scales = torch.cat([store.index_scales, iscales])
+        store.append(*self.codec.encode("global", rows), *self.codec.encode("index", index))
 
     def global_view(self, source):
         s = self.cache.sources[source]
         return GlobalView(self.codec.decode("global", s.rows, s.row_scales),
                           self.codec.decode("index", s.index_rows, s.index_scales),
-                          _entry_positions(s.num_rows, s.ratio))
+                          entry_positions(s.num_rows, s.ratio), _cu(s.num_rows))
 
-    def window_keys(self, layer, kv, pos):
-        ring, W = self.cache.rings[layer], self.window
-        old = ring.pos < int(pos[0])  # rows this request wrote before this forward
-        old_rows = self.codec.decode("window", ring.rows[old], None if ring.scales is None else ring.scales[old])
+    def window_keys(self, layer, kv, batch):
+        ring = self.cache.rings[layer]
+        first = int(batch.pos[0])
+        old = (ring.pos >= 0) & (ring.pos < first)  # rows this request wrote before this forward
         codes, scales = self.codec.encode("window", kv)
-        keys = torch.cat([old_rows, self.codec.decode("window", codes, scales)])
-        key_pos = torch.cat([ring.pos[old], pos])
-        last = slice(max(0, kv.shape[0] - W), kv.shape[0])  # only the last W rows stay
-        slots = pos[last] % W
-        ring.rows[slots] = codes[last]
-        if scales is not None:
-            ring.scales[slots] = scales[last]
-        ring.pos[slots] = pos[last]
-        return keys, key_pos
+        keys = torch.cat([self.codec.decode("window", ring.rows[old], None if ring.scales is None else ring.scales[old]),
+                          self.codec.decode("window", codes, scales)])
+        key_pos = torch.cat([ring.pos[old], batch.pos])
+        ring.store(codes, scales, batch.pos)
+        return WindowKeys(keys, key_pos, _cu(keys.shape[0]))
+
+    def decoder_rows(self, h, batch):
+        if self.plan.skip_decoder:
+            return None
+        n = h.shape[0]
+        if self.plan.narrow and n > self.window:
+            # NOTE: decoder-side bounded replay: rows below the tail never reach the decoder, so
+            # the layers after E must not look below the tail either (layer E reads its ring).
+            keep = torch.arange(n - self.window, n)
+            self.decoder_floor = max(self.plan.window_floor, int(batch.pos[keep[0]]))
+            return DecoderRows(h[keep], RowBatch(batch.pos[keep], (self.window,)), keep)
+        return DecoderRows(h, batch, torch.arange(n))
 
     def window_floor(self, layer):
-        if self.decoder_floor is not None:
-            return max(self.plan.window_floor, self.decoder_floor)
-        return self.plan.window_floor
+        floor = self.decoder_floor if layer > self.E else self.plan.window_floor
+        return torch.tensor([floor], dtype=torch.long)

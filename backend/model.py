@@ -6,10 +6,11 @@ Two ways to run it:
   rows + FP8 window rings, or float32 with quantization off), honouring an :class:`ExtendPlan`:
   encoder-side replay floors and decoder-side narrowing exactly as SPEC section 3 defines them.
 
-Decoder narrowing: layer E (the decoder source) runs on every row and writes the decoder's global
-KV for every row; when a forward holds more than W rows, the layers after E run on its last W rows
-only and their window reads nothing below ``max(window_floor, seq_len - W)``. A forward of at most
-W rows is not trimmed and keeps the encoder floor (it may read the request's earlier window rows).
+Decoder narrowing: layer E (the decoder source) writes the decoder's global KV and its own window
+rows for every row; when a forward holds more than W rows, E's attention and every later layer
+run on its last W rows only. Layer E's window is untrimmed (it reads every row's E-window); the
+layers after E read nothing below ``max(window_floor, seq_len - W)``. A forward of at most W rows
+is not trimmed and keeps the encoder floor (it may read the request's earlier window rows).
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from cedar.kernels.dispatch import KernelSet
 
 from .cache import SequenceCache
 from .config import CEDConfig
-from .key_source import CachedKeys, ExtendPlan, KeySource, WholeSequenceKeys
+from .key_source import CachedKeys, ExtendPlan, KeySource, WholeSequenceKeys, WindowKeys
 from .kv_codec import KVCodec
 from .layer import CEDLayer
 from .modules import RMSNorm
+from .rows import DecoderRows, RowBatch
 
 
 @dataclass(frozen=True)
@@ -51,10 +53,9 @@ class CEDModel(nn.Module):
     def forward(self, input_ids: Tensor) -> Tensor:
         """input_ids: (T,) int64 -> logits (T, vocab) f32; cold, whole sequence, untrimmed."""
         self._check_ids(input_ids)
-        pos = torch.arange(input_ids.shape[0], dtype=torch.long)
-        h, _ = self._layers(self.embed_tokens(input_ids).float(), pos,
-                            WholeSequenceKeys(self.codec), narrow=False, skip_decoder=False)
-        return self.lm_head(self.norm(h)).float()
+        dec = self.run_layers(self.embed(input_ids), RowBatch.single(0, input_ids.shape[0]),
+                              WholeSequenceKeys(self.codec))
+        return self.lm_head(self.norm(dec.hidden)).float()
 
     @torch.no_grad()
     def extend(self, cache: SequenceCache, input_ids: Tensor, start: int, plan: ExtendPlan) -> ExtendResult:
@@ -67,60 +68,64 @@ class CEDModel(nn.Module):
             raise ValueError(f"extend at {start} leaves a gap after {cache.seq_len} cached tokens")
         if start < cache.seq_len and plan.write_floor < cache.seq_len:
             raise ValueError("rows below seq_len may only be replayed under a write floor at seq_len")
-        pos = torch.arange(start, start + input_ids.shape[0], dtype=torch.long)
-        keys = CachedKeys(cache, self.codec, plan, self.cfg.sliding_window)
+        keys = CachedKeys(cache, self.codec, plan, self.cfg.sliding_window, self.cfg.decoder_start)
         cache.window_floor = plan.window_floor
-        h, pos = self._layers(self.embed_tokens(input_ids).float(), pos, keys,
-                              narrow=plan.narrow, skip_decoder=plan.skip_decoder)
+        batch = RowBatch.single(start, input_ids.shape[0])
+        dec = self.run_layers(self.embed(input_ids), batch, keys)
         cache.seq_len = start + input_ids.shape[0]
-        if plan.skip_decoder:
-            return ExtendResult(None, pos[:0])
-        return ExtendResult(self.lm_head(self.norm(h)).float(), pos)
+        if dec is None:
+            return ExtendResult(None, batch.pos[:0])
+        return ExtendResult(self.lm_head(self.norm(dec.hidden)).float(), dec.batch.pos)
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        return self.embed_tokens(input_ids).float()
 
     # ------------------------------------------------------------------ the layer loop
-    def _layers(self, h: Tensor, pos: Tensor, keys: KeySource, narrow: bool,
-                skip_decoder: bool) -> tuple[Tensor, Tensor]:
-        E, W, k = self.cfg.decoder_start, self.cfg.sliding_window, self.kernels
-        selections: dict[int, Tensor] = {}  # index-producing layer -> (T, topk) int32
-        for layer in self.layers:
-            i = layer.layer_id
-            if i == E + 1:
-                if skip_decoder:
-                    break
-                if narrow and h.shape[0] > W:
-                    # NOTE: decoder-side bounded replay: rows below the tail never reach these
-                    # layers, so their window must not look below the tail either.
-                    h, pos = h[-W:], pos[-W:]
-                    selections = {j: s[-W:] for j, s in selections.items()}
-                    if isinstance(keys, CachedKeys):
-                        keys.decoder_floor = int(pos[0])
-            h = h + self._attention(layer, h, pos, keys, selections, k)
-            h = h + layer.mlp(layer.mlp_norm(h))
-        return h, pos
+    def run_layers(self, h: Tensor, batch: RowBatch, keys: KeySource) -> DecoderRows | None:
+        """h: (T, hidden) embeddings of ``batch``'s rows -> the last layer's output on the decoder
+        rows (``DecoderRows``), or None when every request stopped at the cut."""
+        E, selections = self.cfg.decoder_start, {}  # selections: index producer -> (T, topk)
+        for layer in self.layers[:E]:
+            h = self._block(layer, h, batch, keys, selections)
+        # NOTE: the cut. Layer E (the decoder source) writes global KV and its window for every
+        # row; its attention and every later layer run on the decoder rows only.
+        src = self.layers[E]
+        keys.write_global(E, src.compressor, h, batch)
+        wk = keys.window_keys(E, src.window_kv(src.attn_norm(h), batch.pos), batch)
+        dec = keys.decoder_rows(h, batch)
+        if dec is None:
+            return None
+        h, selections = dec.hidden, {}
+        for layer in self.layers[E:]:
+            h = self._block(layer, h, dec.batch, keys, selections, wk if layer is src else None)
+        return DecoderRows(h, dec.batch, dec.source_row)
 
-    def _attention(self, layer: CEDLayer, h: Tensor, pos: Tensor, keys: KeySource,
-                   selections: dict[int, Tensor], k: KernelSet) -> Tensor:
-        cfg, i, T = self.cfg, layer.layer_id, h.shape[0]
-        cu = torch.tensor([0, T], dtype=torch.int32)
-        if layer.compressor is not None:
-            keys.write_global(i, layer.compressor, h, pos)
+    def _block(self, layer: CEDLayer, h: Tensor, batch: RowBatch, keys: KeySource,
+               selections: dict[int, Tensor], window: WindowKeys | None = None) -> Tensor:
+        h = h + self._attention(layer, h, batch, keys, selections, window)
+        return h + layer.mlp(layer.mlp_norm(h))
+
+    def _attention(self, layer: CEDLayer, h: Tensor, batch: RowBatch, keys: KeySource,
+                   selections: dict[int, Tensor], window: WindowKeys | None) -> Tensor:
+        cfg, i, k = self.cfg, layer.layer_id, self.kernels
+        cu, pos = batch.cu, batch.pos
+        if layer.compressor is not None and i != cfg.decoder_start:
+            keys.write_global(i, layer.compressor, h, batch)
         hn = layer.attn_norm(h)
         q = layer.queries(hn, pos)  # (T, H, D)
-        kk, kpos = keys.window_keys(i, layer.window_kv(hn, pos), pos)
-        floor = torch.tensor([keys.window_floor(i)], dtype=torch.long)
-        cu_k = torch.tensor([0, kk.shape[0]], dtype=torch.int32)
-        o, lse = k.window_attention(q, kk, cu, cu_k, pos, kpos, cfg.sliding_window, floor,
-                                    layer.sink.float(), layer.scale)
+        if window is None:
+            window = keys.window_keys(i, layer.window_kv(hn, pos), batch)
+        o, lse = k.window_attention(q, window.keys, cu, window.cu, pos, window.pos, cfg.sliding_window,
+                                    keys.window_floor(i), layer.sink.float(), layer.scale)
         source = cfg.kv_source_of(i)
         if source is not None:
             view = keys.global_view(source)
-            cu_c = torch.tensor([0, view.entries.shape[0]], dtype=torch.int32)
             if layer.has_indexer:
                 iq, iw = layer.index_queries(hn)
-                scores = k.indexer_scores(iq, iw, view.index_keys, cu, cu_c, pos, view.entry_pos)
+                scores = k.indexer_scores(iq, iw, view.index_keys, cu, view.cu, pos, view.entry_pos)
                 selections[i] = k.topk_select(scores, cfg.index_topk)
-            sel = selections[cfg.topk_source_of(i)]
-            og, lg = k.sparse_attention(q, view.entries, cu, cu_c, sel, layer.scale)
+            og, lg = k.sparse_attention(q, view.entries, cu, view.cu, selections[cfg.topk_source_of(i)],
+                                        layer.scale)
             o, lse = k.merge_states(o, lse, og, lg)
         return layer.attn_output(o, pos)
 

@@ -1,0 +1,46 @@
+"""RowBatch: the rows one forward runs, as a ragged batch of requests (FlashInfer-style)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class RowBatch:
+    pos: Tensor  # (T,) int64 position of every row
+    lens: tuple[int, ...]  # rows per request, len B; request b owns rows cu[b]:cu[b+1]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.lens)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.pos.shape[0])
+
+    @property
+    def cu(self) -> Tensor:  # (B + 1,) int32
+        return torch.tensor([0, *torch.tensor(self.lens).cumsum(0).tolist()], dtype=torch.int32)
+
+    def bounds(self, b: int) -> tuple[int, int]:
+        s = sum(self.lens[:b])
+        return s, s + self.lens[b]
+
+    @classmethod
+    def single(cls, start: int, n: int) -> "RowBatch":
+        return cls(torch.arange(start, start + n, dtype=torch.long), (n,))
+
+
+@dataclass(frozen=True)
+class DecoderRows:
+    """Rows the layers from E's attention on run. ``hidden``: (T', hidden) encoder outputs;
+    ``batch``: their positions per request (same requests, possibly 0 rows each);
+    ``source_row``: (T',) int64 index of each row in this forward's rows, -1 for a row carried
+    over from an earlier forward (a chunked prefill's decoder tail)."""
+
+    hidden: Tensor
+    batch: RowBatch
+    source_row: Tensor
