@@ -1,0 +1,131 @@
+"""Planning one served forward: which rows each request runs, with which floors (SPEC section 3).
+
+SGLang schedules rows ``[H, H + n)`` of each request (``H`` = its cached prefix). The planner
+decides, per request:
+
+- whether its slot's private state (window rings, compressor tails) continues it exactly
+  (same owner, same position), or is stale: then it is reset and, on a prefix hit, the request
+  replays ``R = min(W, H)`` rows ``[H - R, H)`` in front of its scheduled rows (encoder-side
+  bounded replay, in this same forward);
+- where its decoder runs: ``all`` its rows (untrimmed), its ``tail`` (the last W positions,
+  some carried over from earlier chunks), or ``skip`` (a non-final chunk under narrowing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..config import CEDConfig
+from ..rows import RowBatch
+from .pools import RequestSlots, TokenPools
+
+REPLAY_MODES = ("bounded", "exact", "off")
+DECODER_MODES = ("all", "tail", "skip")
+
+
+@dataclass(frozen=True)
+class ServingFlags:
+    """Server-wide switches (``cedar serve`` flags). ``replay_per_request`` runs replay as one
+    separate forward per request before the batch (upstream's first design; a benchmark switch)."""
+
+    replay: str = "bounded"
+    narrow: bool = True
+    replay_per_request: bool = False
+
+    def __post_init__(self) -> None:
+        if self.replay not in REPLAY_MODES:
+            raise ValueError(f"replay mode must be one of {REPLAY_MODES}, got {self.replay!r}")
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    """What SGLang's scheduler knows of a request and a forward does not carry (attached to the
+    ForwardBatch by the ``init_new`` hook): is this its prompt's last chunk, does it want prompt
+    logprobs (then it runs untrimmed)."""
+
+    final_chunk: bool = True
+    prompt_logprobs: bool = False
+
+
+@dataclass(frozen=True)
+class ServedRequest:
+    slot: int  # SGLang request slot (req_pool_indices)
+    rid: str
+    row_start: int  # first position this forward runs (the replay start on a stale hit)
+    prefix_len: int  # H: rows below it are cached; the global write floor
+    seq_len: int
+    window_floor: int  # lowest readable window position (the owner's replay start)
+    replayed: int  # replay rows put in front of the scheduled rows
+    decoder: str  # one of DECODER_MODES
+    token_slots: Tensor  # (seq_len,) int64 token slot of every position
+
+    @property
+    def num_rows(self) -> int:
+        return self.seq_len - self.row_start
+
+
+@dataclass(frozen=True)
+class ServedForward:
+    requests: tuple[ServedRequest, ...]
+    input_ids: Tensor  # (T,) int64 model rows: each request's replay rows, then its scheduled rows
+    batch: RowBatch
+    sched_index: Tensor  # (T,) int64 the row's index in SGLang's batch, -1 for a replay row
+
+
+def _stale_start(flags: ServingFlags, cfg: CEDConfig, hit: int) -> int:
+    """Replay start for a request whose private state is stale, at a prefix hit of ``hit``."""
+    if hit == 0:
+        return 0
+    if any(hit % cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids):
+        raise ValueError(f"prefix hit of {hit} tokens is not aligned to the compression ratios "
+                         f"(serve with --page-size {cfg.page_size})")
+    replay = hit if flags.replay == "exact" else min(cfg.sliding_window, hit)
+    return hit - replay
+
+
+def _decoder_mode(flags: ServingFlags, info: RequestInfo, decoder_pos: int, start: int,
+                  num_rows: int, window: int) -> str:
+    if not flags.narrow or flags.replay == "exact" or info.prompt_logprobs:
+        if decoder_pos != start:
+            raise ValueError("an untrimmed request found its decoder behind (chunk mode changed)")
+        return "all"
+    if not info.final_chunk:
+        return "skip"
+    if decoder_pos == start and num_rows <= window:
+        return "all"
+    return "tail"
+
+
+def plan_forward(cfg: CEDConfig, flags: ServingFlags, slots: RequestSlots, pools: TokenPools,
+                 req_to_token: Tensor, rids: list[str], req_slots: list[int], prefix_lens: list[int],
+                 extend_lens: list[int], input_ids: Tensor, infos: list[RequestInfo]) -> ServedForward:
+    """Claim or continue each request's slot and lay out the model rows of one forward.
+
+    Mutates ``slots`` (resets stale slots to their new owner). input_ids: (sum(extend_lens),)."""
+    requests, ids, sched, pos, lens, offset = [], [], [], [], [], 0
+    for b, (rid, slot, hit, n) in enumerate(zip(rids, req_slots, prefix_lens, extend_lens)):
+        owner = slots.owners[slot]
+        if owner.rid == rid and owner.next_pos == hit:
+            start = hit  # continues exactly: a later chunk, a decode step, a restored state
+        else:
+            start = _stale_start(flags, cfg, hit)
+            slots.reset(slot, rid, start)
+            slots.owners[slot].cached_tokens = hit
+        owner = slots.owners[slot]
+        seq_len = hit + n
+        token_slots = req_to_token[slot, :seq_len].long()
+        replay_ids = pools.token_ids[token_slots[start:hit]].long()
+        mode = _decoder_mode(flags, infos[b], owner.decoder_pos, start, seq_len - start, cfg.sliding_window)
+        requests.append(ServedRequest(slot, rid, start, hit, seq_len, owner.window_floor, hit - start,
+                                      mode, token_slots))
+        ids += [replay_ids, input_ids[offset:offset + n]]
+        sched += [torch.full((hit - start,), -1, dtype=torch.long), torch.arange(offset, offset + n)]
+        pos.append(torch.arange(start, seq_len, dtype=torch.long))
+        lens.append(seq_len - start)
+        offset += n
+    batch = RowBatch(torch.cat(pos) if pos else torch.zeros(0, dtype=torch.long), tuple(lens))
+    return ServedForward(tuple(requests), torch.cat(ids) if ids else input_ids[:0].long(), batch,
+                         torch.cat(sched) if sched else torch.zeros(0, dtype=torch.long))

@@ -1,0 +1,178 @@
+"""CedarForCausalLM: the CED model as an SGLang model class (the ``EntryClass`` of
+``cedar.backend.sglang_models``).
+
+SGLang runs its own scheduler, radix tree and HTTP server around it. The model owns what SGLang
+has no notion of: the FP4 global rows per token slot, the private window state per request slot,
+and bounded replay. One ``forward`` = one batched pass over every request's rows (replay rows
+included; :mod:`planner`), so replay never costs a separate forward (unless the
+``replay_per_request`` benchmark switch asks for upstream's old behaviour).
+
+SGLang itself allocates no per-layer K/V for this model (``start_layer == end_layer == 0``);
+its per-token budget is Cedar's true bytes per token (the cell-size hook in
+:mod:`sglang_hooks`), and :meth:`allocate` sizes Cedar's pools from SGLang's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from typing import Iterable
+
+import torch
+from torch import Tensor, nn
+
+from cedar.kernels.dispatch import KernelSet
+
+from ..memory import memory_report
+from ..model import CEDModel
+from .hf_config import CedarHFConfig
+from .planner import RequestInfo, ServingFlags, plan_forward
+from .pool_keys import PoolKeys
+from .pools import RequestSlots, TokenPools
+from .stats import ServingStats
+
+logger = logging.getLogger(__name__)
+
+
+def flags_from_config(hf_config) -> ServingFlags:
+    """Serving flags travel in the HF config (``--json-model-override-args``), not env vars."""
+    raw = dict(getattr(hf_config, "cedar_serving", None) or {})
+    return ServingFlags(**{k: raw[k] for k in ("replay", "narrow", "replay_per_request") if k in raw})
+
+
+class CedarForCausalLM(nn.Module):
+    start_layer = 0  # NOTE: SGLang sizes per-layer K/V from end - start: none for CED layers
+    end_layer = 0
+
+    def __init__(self, config: CedarHFConfig, quant_config=None, prefix: str = "") -> None:
+        super().__init__()
+        from sglang.srt.layers.logits_processor import LogitsProcessor
+
+        self.config = config
+        self.cfg = CEDConfig_from(config)
+        self.flags = flags_from_config(config)
+        self.model = CEDModel(self.cfg, kernels=KernelSet.for_device("cpu"), quantize=True)
+        self.lm_head = self.model.lm_head
+        self.logits_processor = LogitsProcessor(config)
+        self.pools: TokenPools | None = None
+        self.slots: RequestSlots | None = None
+        self.stats = ServingStats()
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        own = self.model.state_dict()
+        seen = set()
+        for name, tensor in weights:
+            if name not in own:
+                raise ValueError(f"unexpected weight {name!r} for CedarForCausalLM")
+            if own[name].shape != tensor.shape:
+                raise ValueError(f"weight {name!r}: expected {tuple(own[name].shape)}, got {tuple(tensor.shape)}")
+            own[name].copy_(tensor)
+            seen.add(name)
+        missing = sorted(set(own) - seen)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+
+    # ------------------------------------------------------------------ pools
+    def allocate(self, num_token_slots: int, num_request_slots: int, page_size: int) -> dict:
+        """Called once SGLang has sized its pools (hook on ModelRunner.alloc_memory_pool)."""
+        if page_size % self.cfg.page_size:
+            raise ValueError(f"SGLang page size {page_size} is not a multiple of the model's "
+                             f"{self.cfg.page_size} (serve with --page-size {self.cfg.page_size})")
+        self.pools = TokenPools(self.cfg, num_token_slots)
+        self.slots = RequestSlots(self.cfg, num_request_slots)
+        figures = self.memory_figures()
+        logger.info("cedar pools: %s", json.dumps(figures))
+        return figures
+
+    def memory_figures(self) -> dict:
+        report = memory_report(self.cfg)
+        figures = {
+            "budget_bytes_per_token": budget_bytes_per_token(self.cfg),
+            "global_bytes_per_token": report.global_bytes_per_token,
+            "swa_bytes_per_request": report.swa_bytes_per_request,
+        }
+        if self.pools is not None:
+            figures.update(
+                token_slots=self.pools.num_slots, token_pool_bytes=self.pools.nbytes,
+                request_slots=self.slots.num_slots, request_slot_bytes=self.slots.nbytes,
+                swa_bytes_per_request_allocated=self.slots.window_bytes_per_slot)
+        return figures
+
+    def _ensure_pools(self) -> None:
+        if self.pools is None:  # the allocation hook did not run: fail loudly, never guess
+            raise RuntimeError("cedar pools were not allocated: the SGLang plugin hooks are not active")
+
+    # ------------------------------------------------------------------ forward
+    @torch.no_grad()
+    def forward(self, input_ids: Tensor, positions: Tensor, forward_batch, input_embeds=None,
+                get_embedding: bool = False, pp_proxy_tensors=None):
+        from sglang.srt.model_executor.forward_context import get_req_to_token_pool
+
+        self._ensure_pools()
+        fb = forward_batch
+        hidden = torch.zeros(input_ids.shape[0], self.cfg.hidden_size)
+        if fb.forward_mode.is_idle() or input_ids.numel() == 0:
+            return self.logits_processor(input_ids, hidden, self.lm_head, fb)
+        req_to_token = get_req_to_token_pool().req_to_token
+        self.pools.token_ids[fb.out_cache_loc.long()] = input_ids.int()
+        if fb.forward_mode.is_decode():
+            prefix = (fb.seq_lens_cpu - 1).tolist()
+            ext = [1] * fb.batch_size
+        else:
+            prefix, ext = list(fb.extend_prefix_lens_cpu), list(fb.extend_seq_lens_cpu)
+        infos = getattr(fb, "cedar_infos", None) or [RequestInfo()] * fb.batch_size
+        args = (self.cfg, self.flags, self.slots, self.pools, req_to_token, list(fb.rids),
+                fb.req_pool_indices_cpu.tolist() if fb.req_pool_indices_cpu is not None
+                else fb.req_pool_indices.tolist())
+        if self.flags.replay_per_request:
+            self._replay_separately(*args, prefix, ext, input_ids, infos)
+        plan = plan_forward(*args, prefix, ext, input_ids, infos)
+        keys = PoolKeys(self.cfg, self.model.codec, self.pools, self.slots, plan)
+        dec = self.model.run_layers(self.model.embed(plan.input_ids), plan.batch, keys)
+        keys.commit()
+        self.stats.record(plan)
+        if dec is not None:
+            sched = plan.sched_index[dec.source_row.clamp_min(0)]
+            ok = (dec.source_row >= 0) & (sched >= 0)
+            hidden[sched[ok]] = self.model.norm(dec.hidden[ok])
+        out = self.logits_processor(input_ids, hidden, self.lm_head, fb)
+        out.customized_info = self.stats.meta_info(plan, self.slots)
+        return out
+
+    def _replay_separately(self, cfg, flags, slots, pools, req_to_token, rids, req_slots, prefix,
+                           ext, input_ids, infos) -> None:
+        """Upstream's first design, kept as a benchmark switch: one replay forward per hit
+        request before the batch (encoder and layer E's window; global rows below the hit are
+        not written). The batch then finds each slot continuing at its hit."""
+        for b, hit in enumerate(prefix):
+            slot, owner = req_slots[b], slots.owners[req_slots[b]]
+            if hit == 0 or (owner.rid == rids[b] and owner.next_pos == hit):
+                continue
+            start = hit - (hit if flags.replay == "exact" else min(cfg.sliding_window, hit))
+            slots.reset(slot, rids[b], start)
+            ids = pools.token_ids[req_to_token[slot, start:hit].long()].long()
+            plan = plan_forward(cfg, flags, slots, pools, req_to_token, [rids[b]], [slot], [start],
+                                [hit - start], ids, [RequestInfo(final_chunk=False)])
+            plan = dataclasses.replace(plan, requests=tuple(
+                dataclasses.replace(r, prefix_len=hit, replayed=hit - start) for r in plan.requests))
+            keys = PoolKeys(cfg, self.model.codec, pools, slots, plan)
+            self.model.run_layers(self.model.embed(plan.input_ids), plan.batch, keys)
+            keys.commit()
+            slots.owners[slot].cached_tokens = hit
+            self.stats.record(plan)
+
+
+def CEDConfig_from(hf_config) -> "CEDConfig":  # noqa: N802
+    from ..config import CEDConfig
+
+    return CEDConfig.from_hf_dict(hf_config.to_dict())
+
+
+def budget_bytes_per_token(cfg) -> int:
+    """What SGLang budgets per token slot: global + index rows of every source (/ ratio) and the
+    int32 token id replay reads, rounded up to whole bytes."""
+    import math
+
+    return math.ceil(memory_report(cfg).global_bytes_per_token + 4)

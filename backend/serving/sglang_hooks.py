@@ -1,0 +1,146 @@
+"""Everything Cedar changes in SGLang's behaviour, in one module, through SGLang's own
+``HookRegistry`` (no installed file is edited). Written for SGLANG_VERSION; ``install()`` refuses
+another version, and ``tests/test_sglang_hooks.py`` fails loudly when the pin or a target moves.
+
+Each hook is a no-op for models other than Cedar's.
+
+| target | why |
+|---|---|
+| DefaultPoolConfigurator._compute_cell_size | budget Cedar's true bytes per token slot |
+| ModelRunner.alloc_memory_pool | size Cedar's pools from SGLang's, log the figures |
+| ForwardBatch.init_new | carry per-request facts the model needs (last chunk, prompt logprobs) |
+| TokenizerManager.update_request_meta_info | report cumulative counters once, not per token |
+| SchedulerInternalStateController.get_internal_state / _update_handlers | expose pools and
+  integrity under /get_server_info; let /set_internal_state flip the replay benchmark switch |
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..config import MODEL_TYPE
+
+logger = logging.getLogger(__name__)
+
+SGLANG_VERSION = "0.5.23"
+P = "sglang.srt."
+TARGETS = {
+    "cell_size": P + "model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
+    "alloc": P + "model_executor.model_runner.ModelRunner.alloc_memory_pool",
+    "init_new": P + "model_executor.forward_batch_info.ForwardBatch.init_new",
+    "meta_info": P + "managers.tokenizer_manager.TokenizerManager.update_request_meta_info",
+    "state": P + "managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state",
+    "handlers": P + "managers.scheduler_components.internal_state.SchedulerInternalStateController._update_handlers",
+}
+REPLAY_SWITCH = "cedar_replay_per_request"
+
+
+def _is_cedar(hf_config) -> bool:
+    return getattr(hf_config, "model_type", None) == MODEL_TYPE
+
+
+def _cedar_model(model_runner):
+    from .served_model import CedarForCausalLM
+
+    model = getattr(model_runner, "model", None)
+    return model if isinstance(model, CedarForCausalLM) else None
+
+
+def cell_size(original, self, kvc, num_layers):
+    if not _is_cedar(kvc.model_config.hf_config):
+        return original(self, kvc, num_layers)
+    from .served_model import CEDConfig_from, budget_bytes_per_token
+
+    return budget_bytes_per_token(CEDConfig_from(kvc.model_config.hf_config))
+
+
+def after_alloc(result, model_runner, *args, **kwargs):
+    model = _cedar_model(model_runner)
+    if model is not None:
+        # NOTE: SGLang's slot ids run over [0, size + page_size): page 0 is its padding page.
+        figures = model.allocate(model_runner.token_to_kv_pool.size + model_runner.page_size,
+                                 model_runner.req_to_token_pool.req_to_token.shape[0], model_runner.page_size)
+        figures["max_total_num_tokens"] = model_runner.max_total_num_tokens
+        logger.info("cedar memory: SGLang budgets %d B/token for %d tokens; SWA %d B/request",
+                    figures["budget_bytes_per_token"], model_runner.max_total_num_tokens,
+                    figures["swa_bytes_per_request"])
+    return result
+
+
+def after_init_new(forward_batch, cls, batch, model_runner, *args, **kwargs):
+    if _cedar_model(model_runner) is None or not forward_batch.forward_mode.is_extend():
+        return forward_batch
+    from .planner import RequestInfo
+
+    decoding = {id(r) for r in (batch.decoding_reqs or ())}
+    infos = []
+    for req in batch.reqs:
+        if id(req) in decoding:
+            infos.append(RequestInfo())
+            continue
+        final = req.extend_end == len(req.full_untruncated_fill_ids)
+        wants = bool(req.return_logprob) and req.logprob_start_len is not None \
+            and 0 <= req.logprob_start_len < len(req.origin_input_ids) - 1
+        infos.append(RequestInfo(final_chunk=final, prompt_logprobs=wants))
+    forward_batch.cedar_infos = infos
+    return forward_batch
+
+
+def around_meta_info(original, self, meta_info, state, customized_info, index, finish_reason):
+    original(self, meta_info, state, customized_info, index, finish_reason)
+    from .stats import META_KEYS
+
+    for key in META_KEYS:  # cumulative counters: the last value is the request's total
+        values = [v for v in (meta_info.get(key) or []) if v is not None]
+        if key in meta_info:
+            meta_info[key] = values[-1] if values else 0
+
+
+def after_state(output, self, recv_req):
+    model = _cedar_model(self.scheduler.tp_worker.model_runner)
+    if model is not None:
+        from .integrity import pool_integrity
+
+        state = dict(model.memory_figures())
+        state["integrity"] = pool_integrity(self.scheduler)
+        state["replayed_tokens_total"] = model.stats.replayed_tokens
+        state["flags"] = {"replay": model.flags.replay, "narrow": model.flags.narrow,
+                          "replay_per_request": model.flags.replay_per_request}
+        output.internal_state["cedar"] = state
+    return output
+
+
+def after_handlers(handlers, self):
+    model = _cedar_model(self.scheduler.tp_worker.model_runner)
+    if model is None:
+        return handlers
+    import dataclasses
+
+    def validate(key, value):
+        if value not in (0, 1):
+            from sglang.srt.managers.scheduler_components.internal_state import UpdateRejected
+
+            raise UpdateRejected(f"{key} must be 0 or 1")
+
+    def apply(key, value):
+        model.flags = dataclasses.replace(model.flags, replay_per_request=bool(value))
+        return {}
+
+    handlers[REPLAY_SWITCH] = type(next(iter(handlers.values())))(validate, apply)
+    return handlers
+
+
+def install() -> None:
+    """Register every hook (called by the plugin in each SGLang process)."""
+    import sglang
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if sglang.__version__ != SGLANG_VERSION:
+        raise RuntimeError(f"cedar's SGLang hooks were written for sglang {SGLANG_VERSION}, "
+                           f"found {sglang.__version__}: re-check every target in {__name__}")
+    HookRegistry.register(TARGETS["cell_size"], cell_size, HookType.AROUND)
+    HookRegistry.register(TARGETS["alloc"], after_alloc, HookType.AFTER)
+    HookRegistry.register(TARGETS["init_new"], after_init_new, HookType.AFTER)
+    HookRegistry.register(TARGETS["meta_info"], around_meta_info, HookType.AROUND)
+    HookRegistry.register(TARGETS["state"], after_state, HookType.AFTER)
+    HookRegistry.register(TARGETS["handlers"], after_handlers, HookType.AFTER)

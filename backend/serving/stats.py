@@ -1,0 +1,39 @@
+"""What a served forward reused, for each response's ``meta_info`` and for Prometheus.
+
+Per request (read off its slot's owner, cumulative over its forwards): ``replayed_tokens``
+(rows recomputed for the window only) and ``cedar_cached_tokens`` (the prefix hit its slot was
+claimed with). SGLang appends one value per forward to ``meta_info``; the meta-info hook in
+:mod:`sglang_hooks` keeps the last (cumulative) value.
+"""
+
+from __future__ import annotations
+
+import os
+
+META_KEYS = ("replayed_tokens",)
+
+
+class ServingStats:
+    def __init__(self) -> None:
+        self.replayed_tokens = 0  # since start-up, all requests
+        self.forwards = 0
+        self._counter = None
+
+    def _prometheus(self):
+        # NOTE: created lazily, in the scheduler process, after SGLang set the multiprocess dir.
+        if self._counter is None and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            from prometheus_client import Counter
+
+            self._counter = Counter("cedar:replayed_tokens", "Rows recomputed by bounded replay")
+        return self._counter
+
+    def record(self, plan) -> None:
+        n = sum(r.replayed for r in plan.requests)
+        self.forwards += 1
+        self.replayed_tokens += n
+        counter = self._prometheus()
+        if counter is not None and n:
+            counter.inc(n)
+
+    def meta_info(self, plan, slots) -> dict:
+        return {"replayed_tokens": [slots.owners[r.slot].replayed_tokens for r in plan.requests]}
