@@ -3,7 +3,8 @@
   init-model  write a random-init model (config.json, model.safetensors, tokenizer) to a folder
   memory      print the cache byte accounting of a geometry (JSON with --json)
   generate    greedy generation through the pure-torch reference path
-  demo        build the shipped tiny model if missing, generate, print the memory figures
+  serve       serve a model with SGLang's own HTTP server (extra flags go to SGLang)
+  demo        serve the shipped model, send it requests (a repeated prefix among them), stop
 """
 
 from __future__ import annotations
@@ -66,21 +67,25 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .config import CEDConfig
-    from .geometries import geometry
-    from .memory import memory_report
-    from .model_io import init_model_dir
+    from .demo import run_demo
 
-    model_dir = Path(args.model)
-    if not (model_dir / "model.safetensors").is_file():
-        print(f"[demo] building the random-init cedar-tiny model in {model_dir}")
-        init_model_dir("cedar-tiny", model_dir)
-    for name, cfg in (("v41-flash", geometry("v41-flash")), ("served", CEDConfig.load(model_dir))):
-        print(f"[demo] memory ({name}): {json.dumps(memory_report(cfg).to_json_dict())}")
-    for prompt in ("List the files in the repo.", "What is 2 + 2?"):
-        text, ids, secs = _generate(model_dir, prompt, args.max_new_tokens, quantize=True)
-        print(f"[demo] reference generate {prompt!r} -> {ids} {text!r} ({secs:.2f} s)")
-    return 0
+    return run_demo(Path(args.model), args.max_new_tokens)
+
+
+def _cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
+    import os
+
+    from .demo import ensure_model
+    from .serving.launch import ServeConfig
+
+    ensure_model(Path(args.model))
+    cfg = ServeConfig(model=args.model, host=args.host, port=args.port, replay=args.replay,
+                      narrow=not args.no_narrow, replay_per_request=args.replay_per_request,
+                      extra=tuple(extra))
+    argv = cfg.argv()
+    print("cedar serve:", " ".join(argv), flush=True)
+    os.execve(argv[0], argv, cfg.env())
+    return 0  # not reached
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,7 +111,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-quant", action="store_true", help="float32 caches instead of FP4/FP8")
     s.set_defaults(fn=_cmd_generate)
 
-    s = sub.add_parser("demo", help="the main job at this stage (what `make demo` runs)")
+    s = sub.add_parser("serve", help="serve a CED model with SGLang's HTTP server (unknown flags go to SGLang)")
+    s.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="model folder (default: the shipped model)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=30000)
+    s.add_argument("--replay", choices=["bounded", "exact", "off"], default="bounded",
+                   help="bounded: replay min(W, H) rows on a hit; exact: replay the whole prefix; off: no prefix cache")
+    s.add_argument("--no-narrow", action="store_true", help="run the decoder on every prefill row")
+    s.add_argument("--replay-per-request", action="store_true",
+                   help="replay in one separate forward per request (upstream's first design; for benchmarks)")
+    s.set_defaults(fn=_cmd_serve, passthrough=True)
+
+    s = sub.add_parser("demo", help="the main job: serve the shipped model and send it requests (what `make demo` runs)")
     s.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
     s.add_argument("--max-new-tokens", type=int, default=8)
     s.set_defaults(fn=_cmd_demo)
@@ -114,9 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "passthrough", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return args.fn(args)
+        return args.fn(args, extra) if getattr(args, "passthrough", False) else args.fn(args)
     except ValueError as e:  # bad geometry, bad model folder, bad weights: a clear message
         print(f"cedar {args.command}: error: {e}", file=sys.stderr)
         return 2

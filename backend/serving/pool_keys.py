@@ -134,7 +134,7 @@ class PoolKeys(KeySource):
                 self.dec_floor[b] = keep_from
             else:
                 keep_from = req.seq_len
-            carried = torch.arange(keep_from, min(first, req.seq_len), dtype=torch.long)
+            carried = torch.arange(keep_from, max(keep_from, min(first, req.seq_len)), dtype=torch.long)
             if carried.numel():
                 slot_idx = carried % W
                 if not torch.equal(self.slots.enc_pos[req.slot, slot_idx], carried):

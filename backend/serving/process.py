@@ -1,0 +1,93 @@
+"""Run ``cedar serve``'s SGLang server as a child process (the demo, the tests and the benchmarks
+share one per session: it takes ~20 s to start on 2 cores, and an SGLang crash kills its
+parent, so it never runs in the caller's process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+from .launch import ServeConfig
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``with ServerProcess(cfg) as srv: srv.url ...``; the log goes to ``log_path``."""
+
+    def __init__(self, cfg: ServeConfig, log_path: Path | None = None, timeout_s: float = 180) -> None:
+        self.cfg, self.timeout_s = cfg, timeout_s
+        self.log_path = Path(log_path or f"/tmp/cedar-server-{cfg.port}.log")
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.host}:{self.cfg.port}"
+
+    def start(self) -> "ServerProcess":
+        log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.cfg.argv(), env=self.cfg.env(), stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.time() + self.timeout_s
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"cedar server exited with {self.proc.returncode}; log: {self.log_path}\n"
+                                   + self.log_tail())
+            try:
+                with urllib.request.urlopen(self.url + "/health_generate", timeout=30) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(1.0)
+        self.stop()
+        raise TimeoutError(f"cedar server not ready after {self.timeout_s} s; log: {self.log_path}")
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text().splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ small HTTP helpers
+    def post(self, path: str, payload: dict, timeout: float = 300) -> tuple[int, dict]:
+        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            body = e.read()
+            try:
+                return e.code, json.loads(body)
+            except json.JSONDecodeError:
+                return e.code, {"raw": body.decode(errors="replace")}
+
+    def cedar_state(self) -> dict:
+        with urllib.request.urlopen(self.url + "/get_server_info", timeout=60) as r:
+            return json.loads(r.read())["internal_states"][0]["cedar"]
