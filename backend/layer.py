@@ -59,4 +59,4 @@ class CEDLayer(nn.Module):
         """o: (T, H, D) merged attention output -> (T, hidden): inverse RoPE (K = V carried the
         keys' rotation), then the output projection."""
         o = apply_rope(o, pos, self.rope_dim, self.rope_theta, inverse=True)
-        return self.wo(o.reshape(o.shape[0], -1))
+        return self.wo(o.reshape(o.shape[0], self.num_heads * self.latent))

@@ -93,8 +93,8 @@ class CEDModel(nn.Module):
         keys.write_global(E, src.compressor, h, batch)
         wk = keys.window_keys(E, src.window_kv(src.attn_norm(h), batch.pos), batch)
         dec = keys.decoder_rows(h, batch)
-        if dec is None:
-            return None
+        if dec is None or dec.hidden.shape[0] == 0:  # every request stops at the cut
+            return dec
         h, selections = dec.hidden, {}
         for layer in self.layers[E:]:
             h = self._block(layer, h, dec.batch, keys, selections, wk if layer is src else None)

@@ -14,7 +14,6 @@ its per-token budget is Cedar's true bytes per token (the cell-size hook in
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from typing import Iterable
@@ -29,6 +28,7 @@ from ..model import CEDModel
 from .hf_config import CedarHFConfig
 from .planner import RequestInfo, ServingFlags, plan_forward
 from .pool_keys import PoolKeys
+from .prepass import replay_prepass
 from .pools import RequestSlots, TokenPools
 from .stats import ServingStats
 
@@ -127,7 +127,9 @@ class CedarForCausalLM(nn.Module):
                 fb.req_pool_indices_cpu.tolist() if fb.req_pool_indices_cpu is not None
                 else fb.req_pool_indices.tolist())
         if self.flags.replay_per_request:
-            self._replay_separately(*args, prefix, ext, input_ids, infos)
+            for pre in replay_prepass(self.model, self.flags, self.slots, self.pools, req_to_token,
+                                      args[5], args[6], prefix):
+                self.stats.record(pre)
         plan = plan_forward(*args, prefix, ext, input_ids, infos)
         keys = PoolKeys(self.cfg, self.model.codec, self.pools, self.slots, plan)
         dec = self.model.run_layers(self.model.embed(plan.input_ids), plan.batch, keys)
@@ -140,29 +142,6 @@ class CedarForCausalLM(nn.Module):
         out = self.logits_processor(input_ids, hidden, self.lm_head, fb)
         out.customized_info = self.stats.meta_info(plan, self.slots)
         return out
-
-    def _replay_separately(self, cfg, flags, slots, pools, req_to_token, rids, req_slots, prefix,
-                           ext, input_ids, infos) -> None:
-        """Upstream's first design, kept as a benchmark switch: one replay forward per hit
-        request before the batch (encoder and layer E's window; global rows below the hit are
-        not written). The batch then finds each slot continuing at its hit."""
-        for b, hit in enumerate(prefix):
-            slot, owner = req_slots[b], slots.owners[req_slots[b]]
-            if hit == 0 or (owner.rid == rids[b] and owner.next_pos == hit):
-                continue
-            start = hit - (hit if flags.replay == "exact" else min(cfg.sliding_window, hit))
-            slots.reset(slot, rids[b], start)
-            ids = pools.token_ids[req_to_token[slot, start:hit].long()].long()
-            plan = plan_forward(cfg, flags, slots, pools, req_to_token, [rids[b]], [slot], [start],
-                                [hit - start], ids, [RequestInfo(final_chunk=False)])
-            plan = dataclasses.replace(plan, requests=tuple(
-                dataclasses.replace(r, prefix_len=hit, replayed=hit - start) for r in plan.requests))
-            keys = PoolKeys(cfg, self.model.codec, pools, slots, plan)
-            self.model.run_layers(self.model.embed(plan.input_ids), plan.batch, keys)
-            keys.commit()
-            slots.owners[slot].cached_tokens = hit
-            self.stats.record(plan)
-
 
 def CEDConfig_from(hf_config) -> "CEDConfig":  # noqa: N802
     from ..config import CEDConfig

@@ -1,0 +1,189 @@
+"""The served path's bookkeeping (planner, PoolKeys, token/request-slot pools) against the
+reference model, in process (tests/serving_harness.py stands in for SGLang's slot tables).
+
+Tolerance: the served path runs the same layer code over differently shaped ragged batches,
+so logits agree to float32 reassociation (ATOL); global rows shared through the tree are
+compared byte for byte.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from cedar.backend.cache import cache_for_hit, new_cache
+from cedar.backend.geometries import cedar_tiny
+from cedar.backend.key_source import ExtendPlan
+from cedar.backend.model_io import random_model
+from cedar.backend.replay import chunk_spans, decode, prefill, replay_span
+from cedar.backend.serving.planner import RequestInfo, ServingFlags
+from serving_harness import Harness
+
+CFG = cedar_tiny()
+W = CFG.sliding_window
+ATOL = 2e-3  # quantized caches: a last-bit difference can flip an FP8/FP4 code (seen: 3e-4)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(CFG, seed=2).eval()
+
+
+def ids(n, seed):
+    return torch.randint(3, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def ref_prefill(model, prompt, hit_cache=None, hit=0, narrow=True):
+    cache = hit_cache if hit_cache is not None else new_cache(CFG, True)
+    res = prefill(model, cache, torch.tensor(prompt), replay_span(hit, W), narrow=narrow)
+    return res, cache
+
+
+def close(a, b):
+    return (a - b).abs().max().item() <= ATOL
+
+
+@pytest.mark.parametrize("n", [50, W, W + 1, 300])
+def test_cold_prefill_and_decode_equal_reference(model, n):
+    h = Harness(model)
+    prompt = ids(n, n)
+    req = h.admit("a", 0, prompt)
+    out, plan = h.step([(req, n)])
+    ref, cache = ref_prefill(model, prompt)
+    assert plan.requests[0].decoder == ("all" if n <= W else "tail")
+    assert out["a"].shape == ref.logits.shape and close(out["a"], ref.logits)
+    for step in range(3):
+        tok = int(out["a"][-1].argmax())
+        req.ids.append(tok)
+        out, plan = h.step([(req, 1)])
+        assert close(out["a"][-1], decode(model, cache, tok))
+
+
+@pytest.mark.parametrize("chunk", [64, W - 1, W, W + 1, 200])
+def test_chunked_prefill_equals_unchunked(model, chunk):
+    """SGLang picks the chunks (no final-chunk rule needed): earlier chunks skip the decoder and
+    the final chunk's decoder tail carries rows over from them."""
+    prompt = ids(400, 7)
+    ref, _ = ref_prefill(model, prompt)
+    h = Harness(model)
+    req = h.admit("a", 1, prompt)
+    done = 0
+    while done < len(prompt):
+        n = min(chunk, len(prompt) - done)
+        final = done + n == len(prompt)
+        out, plan = h.step([(req, n)], [RequestInfo(final_chunk=final)])
+        assert plan.requests[0].decoder == ("skip" if not final else plan.requests[0].decoder)
+        done += n
+    assert close(out["a"], ref.logits)
+
+
+def test_hit_shares_global_rows_bit_for_bit_and_equals_reference_replay(model):
+    h = Harness(model)
+    a_prompt = ids(420, 11)
+    a = h.admit("a", 0, a_prompt)
+    h.step([(a, 420)])
+    snapshot = {s: (p.rows.clone(), p.index_rows.clone()) for s, p in h.pools.sources.items()}
+    H = 300
+    b_prompt = a_prompt[:H] + ids(70, 12)
+    b = h.admit("b", 1, b_prompt, hit_from=a, hit=H)
+    out, plan = h.step([(b, len(b_prompt) - H)])
+    assert plan.requests[0].replayed == W and plan.requests[0].row_start == H - W
+    for s, p in h.pools.sources.items():
+        shared = torch.tensor(a.token_slots[:H:p.ratio]) // p.ratio
+        assert torch.equal(p.rows[shared], snapshot[s][0][shared]), f"source {s}: shared rows rewritten"
+        assert torch.equal(p.index_rows[shared], snapshot[s][1][shared])
+    # the reference's bounded replay of the same hit
+    _, donor = ref_prefill(model, a_prompt)
+    ref, _ = ref_prefill(model, b_prompt, cache_for_hit(donor, CFG, H, True), H)
+    assert close(out["b"], ref.logits)
+
+
+def test_short_hit_is_exact(model):
+    h = Harness(model)
+    a_prompt = ids(150, 13)
+    a = h.admit("a", 0, a_prompt)
+    h.step([(a, 150)])
+    b_prompt = a_prompt[:100] + ids(30, 14)
+    b = h.admit("b", 1, b_prompt, hit_from=a, hit=100)
+    out, plan = h.step([(b, 30)])
+    assert plan.requests[0].replayed == 100 and plan.requests[0].row_start == 0
+    cold, _ = ref_prefill(model, b_prompt)
+    assert close(out["b"], cold.logits[-out["b"].shape[0]:])
+
+
+def test_reused_slot_never_reads_the_previous_owner(model):
+    """Request slots are reused at once: a new owner of a slot, even with a hit, is reset and
+    replays; the previous occupant's rings would give a different (wrong) answer."""
+    h = Harness(model)
+    a_prompt = ids(300, 15)
+    a = h.admit("a", 0, a_prompt)
+    h.step([(a, 300)])
+    b_prompt = a_prompt[:256] + ids(20, 16)
+    b = h.admit("b", 0, b_prompt, hit_from=a, hit=256)  # same request slot as a
+    out, plan = h.step([(b, 20)])
+    assert plan.requests[0].replayed == W
+    _, donor = ref_prefill(model, a_prompt)
+    ref, _ = ref_prefill(model, b_prompt, cache_for_hit(donor, CFG, 256, True), 256)
+    assert close(out["b"], ref.logits)
+    assert h.slots.owners[0].rid == "b"
+
+
+def test_mixed_batch_equals_requests_alone(model):
+    h = Harness(model)
+    a = h.admit("a", 0, ids(200, 17))
+    h.step([(a, 200)])
+    a.ids.append(5)
+    c_prompt = a.ids[:198] + ids(9, 18)
+    c = h.admit("c", 2, c_prompt, hit_from=a, hit=198)
+    d = h.admit("d", 3, ids(77, 19))
+    together, _ = h.step([(a, 1), (c, 9), (d, 77)])
+
+    alone = Harness(model)
+    a2 = alone.admit("a", 0, a.ids[:200])
+    alone.step([(a2, 200)])
+    a2.ids.append(5)
+    assert close(together["a"], alone.step([(a2, 1)])[0]["a"])
+    c2 = alone.admit("c", 2, c_prompt, hit_from=a2, hit=198)
+    assert close(together["c"], alone.step([(c2, 9)])[0]["c"])
+    d2 = alone.admit("d", 3, d.ids)
+    assert close(together["d"], alone.step([(d2, 77)])[0]["d"])
+
+
+def test_replay_per_request_equals_in_forward_replay(model):
+    """The benchmark switch computes the same thing in a separate forward per request."""
+    outs, replayed = [], []
+    for flags in (ServingFlags(), ServingFlags(replay_per_request=True)):
+        h = Harness(model, flags)
+        a_prompt = ids(400, 20)
+        a = h.admit("a", 0, a_prompt)
+        h.step([(a, 400)])
+        b = h.admit("b", 1, a_prompt[:300] + ids(40, 21), hit_from=a, hit=300)
+        c = h.admit("c", 2, a_prompt[:100] + ids(10, 22), hit_from=a, hit=100)
+        out, plan = h.step([(b, 40), (c, 10)])
+        outs.append(out)
+        replayed.append([h.slots.owners[i].replayed_tokens for i in (1, 2)])
+        assert [r.replayed for r in plan.requests] == ([W, 100] if not flags.replay_per_request else [0, 0])
+    assert replayed[0] == replayed[1] == [W, 100]
+    assert close(outs[0]["b"], outs[1]["b"]) and close(outs[0]["c"], outs[1]["c"])
+
+
+def test_exact_mode_replays_everything_and_equals_cold(model):
+    h = Harness(model, ServingFlags(replay="exact"))
+    a_prompt = ids(300, 22)
+    a = h.admit("a", 0, a_prompt)
+    h.step([(a, 300)])
+    b_prompt = a_prompt[:260] + ids(30, 23)
+    b = h.admit("b", 1, b_prompt, hit_from=a, hit=260)
+    out, plan = h.step([(b, 30)])
+    assert plan.requests[0].replayed == 260 and plan.requests[0].decoder == "all"
+    cold, _ = ref_prefill(model, b_prompt, narrow=False)
+    assert close(out["b"][-1], cold.logits[-1])
+
+
+def test_unaligned_stale_hit_is_a_clear_error(model):
+    h = Harness(model)
+    a = h.admit("a", 0, ids(100, 24))
+    h.step([(a, 100)])
+    b = h.admit("b", 1, a.ids[:51] + [7], hit_from=a, hit=51)
+    with pytest.raises(ValueError, match="not aligned"):
+        h.step([(b, 1)])
