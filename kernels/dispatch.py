@@ -37,6 +37,14 @@ OPS: dict[str, dict[str, str]] = {
         "triton": "sparse_attention_triton:sparse_attention",
     },
     "merge_states": {"torch": "merge_ref:merge_states", "triton": "merge_triton:merge_states"},
+    "quantize_scatter_window": {
+        "torch": "cache_write_ref:quantize_scatter_window",
+        "triton": "cache_write_triton:quantize_scatter_window",
+    },
+    "quantize_scatter_global": {
+        "torch": "cache_write_ref:quantize_scatter_global",
+        "triton": "cache_write_triton:quantize_scatter_global",
+    },
 }
 
 BACKENDS = ("torch", "triton")

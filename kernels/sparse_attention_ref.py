@@ -51,6 +51,8 @@ def topk_select(scores: Tensor, k: int) -> Tensor:
     if scores.dim() != 2 or k < 0:
         raise ValueError(f"topk_select: scores (T, C) and k >= 0 expected, got {tuple(scores.shape)}, {k}")
     T, C = scores.shape
+    # NOTE: NaN / +inf are not candidates (the kernel agrees); -inf marks "not visible".
+    scores = torch.where(torch.isfinite(scores), scores, torch.full_like(scores, float("-inf")))
     # NOTE: a stable descending sort defines ties (lower id first) so kernels can match exactly.
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : min(k, C)]
     valid = torch.isfinite(torch.gather(scores, 1, order))
@@ -77,9 +79,11 @@ def sparse_attention(q: Tensor, entries: Tensor, cu_seqlens_q: Tensor, cu_seqlen
         return out, lse
     cq, cc = cu_seqlens_q.tolist(), cu_seqlens_c.tolist()
     base = torch.zeros(T, dtype=torch.long, device=q.device)
+    count = torch.zeros(T, dtype=torch.long, device=q.device)
     for b in range(len(cq) - 1):
         base[cq[b]:cq[b + 1]] = cc[b]
-    valid = indices >= 0  # (T, k)
+        count[cq[b]:cq[b + 1]] = cc[b + 1] - cc[b]
+    valid = (indices >= 0) & (indices.long() < count[:, None])  # (T, k); ids past a request's entries are ignored
     rows = torch.where(valid, indices.long() + base[:, None], torch.zeros_like(indices, dtype=torch.long))
     kv = entries.float()[rows]  # (T, k, D)
     logits = torch.einsum("thd,tkd->thk", q.float(), kv) * scale

@@ -53,14 +53,16 @@ def window_attention(q: Tensor, k: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: T
             e = min(s + Q_BLOCK, cq[b + 1])
             qp = q_pos[s:e]
             # NOTE: restrict to keys that any query of the block can see, then mask exactly.
-            near = (kpb >= max(floor, int(qp.min()) - window + 1)) & (kpb <= int(qp.max()))
+            near = (kpb >= max(floor, 0, int(qp.min()) - window + 1)) & (kpb <= int(qp.max()))
             kk, kp = kb[near], kpb[near]  # (n, D), (n,)
-            lo = torch.clamp(qp - window + 1, min=floor)  # (t,)
+            lo = torch.clamp(qp - window + 1, min=max(floor, 0))  # (t,); NOTE: empty slots are -1
             vis = (kp[None, :] >= lo[:, None]) & (kp[None, :] <= qp[:, None])  # (t, n)
             logits = torch.einsum("thd,nd->thn", q[s:e].float(), kk) * scale  # (t, H, n)
             logits = logits.masked_fill(~vis[:, None, :], float("-inf"))
             if sink is not None:
                 logits = torch.cat([logits, sink.float()[None, :, None].expand(e - s, H, 1)], dim=-1)
+            if logits.shape[-1] == 0:  # no key near the block and no sink: an empty partial
+                continue
             m = logits.amax(dim=-1, keepdim=True)  # (t, H, 1)
             m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
             p = torch.exp(logits - m)

@@ -10,6 +10,8 @@ Each hook is a no-op for models other than Cedar's.
 | ModelRunner.alloc_memory_pool | size Cedar's pools from SGLang's, log the figures |
 | ForwardBatch.init_new | carry per-request facts the model needs (last chunk, prompt logprobs) |
 | TokenizerManager.update_request_meta_info | report cumulative counters once, not per token |
+| TokenizerManager._validate_one_request | reject empty prompts and token ids outside the vocabulary
+  with a 400 (SGLang does not check ids; an out-of-range id would crash the scheduler) |
 | SchedulerInternalStateController.get_internal_state / _update_handlers | expose pools and
   integrity under /get_server_info; let /set_internal_state flip the replay benchmark switch |
 """
@@ -29,6 +31,7 @@ TARGETS = {
     "alloc": P + "model_executor.model_runner.ModelRunner.alloc_memory_pool",
     "init_new": P + "model_executor.forward_batch_info.ForwardBatch.init_new",
     "meta_info": P + "managers.tokenizer_manager.TokenizerManager.update_request_meta_info",
+    "validate": P + "managers.tokenizer_manager.TokenizerManager._validate_one_request",
     "state": P + "managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state",
     "handlers": P + "managers.scheduler_components.internal_state.SchedulerInternalStateController._update_handlers",
 }
@@ -96,6 +99,19 @@ def around_meta_info(original, self, meta_info, state, customized_info, index, f
             meta_info[key] = values[-1] if values else 0
 
 
+def before_validate(self, obj, input_ids, *args, **kwargs):
+    hf = getattr(getattr(self, "model_config", None), "hf_config", None)
+    if hf is None or not _is_cedar(hf):
+        return None
+    if input_ids is not None:
+        if len(input_ids) == 0:
+            raise ValueError("the prompt is empty: send at least one token")
+        bad = [t for t in input_ids if not 0 <= int(t) < hf.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of range [0, {hf.vocab_size})")
+    return None
+
+
 def after_state(output, self, recv_req):
     model = _cedar_model(self.scheduler.tp_worker.model_runner)
     if model is not None:
@@ -142,5 +158,6 @@ def install() -> None:
     HookRegistry.register(TARGETS["alloc"], after_alloc, HookType.AFTER)
     HookRegistry.register(TARGETS["init_new"], after_init_new, HookType.AFTER)
     HookRegistry.register(TARGETS["meta_info"], around_meta_info, HookType.AROUND)
+    HookRegistry.register(TARGETS["validate"], before_validate, HookType.BEFORE)
     HookRegistry.register(TARGETS["state"], after_state, HookType.AFTER)
     HookRegistry.register(TARGETS["handlers"], after_handlers, HookType.AFTER)
