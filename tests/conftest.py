@@ -10,3 +10,56 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """The shipped geometry with random weights (seed 0), built once per session."""
+    from cedar.backend.model_io import init_model_dir
+
+    out = tmp_path_factory.mktemp("cedar-tiny")
+    init_model_dir("cedar-tiny", out, seed=0)
+    return out
+
+
+def start_server(model_dir: Path, *extra: str, **kw):
+    from cedar.backend.serving.launch import ServeConfig
+    from cedar.backend.serving.process import ServerProcess, free_port
+
+    cfg = ServeConfig(model=str(model_dir), port=free_port(), extra=tuple(extra), **kw)
+    return ServerProcess(cfg, log_path=Path(f"/tmp/cedar-test-server-{cfg.port}.log")).start()
+
+
+def wait_idle_and_check(server, timeout_s: float = 30.0) -> dict:
+    """Wait until no request holds a slot, then return the integrity report (asserting it)."""
+    deadline = time.time() + timeout_s
+    while True:
+        state = server.cedar_state()["integrity"]
+        idle = state["request_slots"]["free"] == state["request_slots"]["total"]
+        if (idle and state["tokens_ok"]) or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert state["tokens_ok"], f"token pool integrity broken: {state}"
+    assert idle, f"request slots leaked: {state}"
+    assert state["tokens"]["in_use"] == 0 and state["tokens"]["protected"] == 0, state
+    return state
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model_dir):
+    """One real SGLang server with the CED model for the whole session (a child process)."""
+    srv = start_server(tiny_model_dir, "--context-length", "4096")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def checked_server(server):
+    """The shared server; after the test, the pools must be consistent and nothing leaked."""
+    yield server
+    wait_idle_and_check(server)

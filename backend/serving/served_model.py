@@ -58,6 +58,8 @@ class CedarForCausalLM(nn.Module):
         self.pools: TokenPools | None = None
         self.slots: RequestSlots | None = None
         self.stats = ServingStats()
+        # (rid, prefix len) -> facts of the scheduler (written by the ForwardBatch.init_new hook)
+        self.request_infos: dict[tuple[str, int], RequestInfo] = {}
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
@@ -122,7 +124,7 @@ class CedarForCausalLM(nn.Module):
             ext = [1] * fb.batch_size
         else:
             prefix, ext = list(fb.extend_prefix_lens_cpu), list(fb.extend_seq_lens_cpu)
-        infos = getattr(fb, "cedar_infos", None) or [RequestInfo()] * fb.batch_size
+        infos = [self.request_infos.pop((rid, p), RequestInfo()) for rid, p in zip(fb.rids, prefix)]
         args = (self.cfg, self.flags, self.slots, self.pools, req_to_token, list(fb.rids),
                 fb.req_pool_indices_cpu.tolist() if fb.req_pool_indices_cpu is not None
                 else fb.req_pool_indices.tolist())

@@ -71,21 +71,23 @@ def after_alloc(result, model_runner, *args, **kwargs):
 
 
 def after_init_new(forward_batch, cls, batch, model_runner, *args, **kwargs):
-    if _cedar_model(model_runner) is None or not forward_batch.forward_mode.is_extend():
+    model = _cedar_model(model_runner)
+    if model is None or not forward_batch.forward_mode.is_extend():
         return forward_batch
     from .planner import RequestInfo
 
+    # NOTE: the ForwardBatch the model receives is not always this object (runners rebuild it),
+    # so the facts travel to the model keyed by (rid, prefix length), consumed by its forward.
     decoding = {id(r) for r in (batch.decoding_reqs or ())}
-    infos = []
     for req in batch.reqs:
         if id(req) in decoding:
-            infos.append(RequestInfo())
             continue
         final = req.extend_end == len(req.full_untruncated_fill_ids)
         wants = bool(req.return_logprob) and req.logprob_start_len is not None \
             and 0 <= req.logprob_start_len < len(req.origin_input_ids) - 1
-        infos.append(RequestInfo(final_chunk=final, prompt_logprobs=wants))
-    forward_batch.cedar_infos = infos
+        model.request_infos[(req.rid, req.prefix_len)] = RequestInfo(final_chunk=final, prompt_logprobs=wants)
+    while len(model.request_infos) > 4096:  # entries of requests aborted before their forward
+        model.request_infos.pop(next(iter(model.request_infos)))
     return forward_batch
 
 
