@@ -184,3 +184,17 @@ def test_eviction_under_a_small_pool(tiny_model_dir, ref):
         assert state["tokens"]["cached"] <= 1024
     finally:
         srv.stop()
+
+
+def test_prometheus_counts_replayed_tokens(checked_server):
+    def replayed_metric():
+        text = urllib.request.urlopen(checked_server.url + "/metrics", timeout=60).read().decode()
+        lines = [l for l in text.splitlines() if l.startswith("cedar:replayed_tokens_total")]
+        return sum(float(l.split()[-1]) for l in lines)
+
+    before = replayed_metric()
+    a = prompt(200, 9)
+    generate(checked_server, a, n=1)
+    served = generate(checked_server, a[:160] + prompt(10, 10), n=1)
+    assert served[2]["replayed_tokens"] == W
+    assert replayed_metric() - before == W
