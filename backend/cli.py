@@ -5,6 +5,7 @@
   generate    greedy generation through the pure-torch reference path
   serve       serve a model with SGLang's own HTTP server (extra flags go to SGLang)
   demo        serve the shipped model, send it requests (a repeated prefix among them), stop
+  bench       benchmarks against the real server (``cedar bench hits``: TTFT of prefix-cache hits)
 """
 
 from __future__ import annotations
@@ -81,11 +82,36 @@ def _cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     ensure_model(Path(args.model))
     cfg = ServeConfig(model=args.model, host=args.host, port=args.port, replay=args.replay,
                       narrow=not args.no_narrow, replay_per_request=args.replay_per_request,
+                      snapshot_mb=args.snapshot_mb,
                       extra=tuple(extra))
     argv = cfg.argv()
     print("cedar serve:", " ".join(argv), flush=True)
     os.execve(argv[0], argv, cfg.env())
     return 0  # not reached
+
+
+def _cmd_bench_hits(args: argparse.Namespace) -> int:
+    from .bench.hits import format_table, run_hits_benchmark
+    from .demo import ensure_model
+
+    ensure_model(Path(args.model))
+    grid = dict(prefixes=(256, 1024), new_tokens=(16,), concurrency=(1, 8), repeats=2) if args.quick else {}
+    report = run_hits_benchmark(Path(args.model), Path(args.json), args.plot, **grid)
+    print(format_table(report["table"]))
+    print(f"[bench hits] {report['num_mismatches']} cached/replayed mismatches; {report['wall_s']} s; "
+          f"wrote {args.json}" + (f" and {args.plot}" if args.plot else ""))
+    return 0
+
+
+def _add_bench(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks against the real SGLang server")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    s = kinds.add_parser("hits", help="TTFT of cold requests vs prefix-cache hits (replay in-forward vs per request)")
+    s.add_argument("--json", required=True, help="write the report here")
+    s.add_argument("--plot", default=None, help="also write a PNG bar chart here")
+    s.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
+    s.add_argument("--quick", action="store_true", help="prefixes 256,1024; 16 new tokens; C 1,8; 2 repeats")
+    s.set_defaults(fn=_cmd_bench_hits)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,12 +146,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-narrow", action="store_true", help="run the decoder on every prefill row")
     s.add_argument("--replay-per-request", action="store_true",
                    help="replay in one separate forward per request (upstream's first design; for benchmarks)")
+    s.add_argument("--snapshot-mb", type=float, default=64.0,
+                   help="memory for exact-continuation snapshots of finished requests' window state (0: off)")
     s.set_defaults(fn=_cmd_serve, passthrough=True)
 
     s = sub.add_parser("demo", help="the main job: serve the shipped model and send it requests (what `make demo` runs)")
     s.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
     s.add_argument("--max-new-tokens", type=int, default=8)
     s.set_defaults(fn=_cmd_demo)
+
+    _add_bench(sub)
     return p
 
 

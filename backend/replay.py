@@ -80,3 +80,10 @@ def greedy(model: CEDModel, cache: SequenceCache, first_logits: Tensor, num_toke
     while len(out) < num_tokens:
         out.append(int(decode(model, cache, out[-1]).argmax()))
     return out
+
+
+def continue_prefill(model: CEDModel, cache: SequenceCache, new_ids: Tensor, narrow: bool = True) -> ExtendResult:
+    """Extend a request's exact state with new rows (the next turn of a session continued from
+    its own cache: what a restored snapshot computes)."""
+    plan = ExtendPlan(window_floor=cache.window_floor, write_floor=cache.seq_len, narrow=narrow)
+    return model.extend(cache, new_ids, cache.seq_len, plan)

@@ -50,7 +50,7 @@ class Harness:
         return req
 
     @torch.no_grad()
-    def step(self, batch: list[tuple[Req, int]], infos=None):
+    def step(self, batch: list[tuple[Req, int]], infos=None, snapshots=None):
         """batch: (request, rows to schedule now). Returns {rid: logits of its last decoder row}."""
         rids, slots, prefix, ext, ids = [], [], [], [], []
         for req, n in batch:
@@ -63,9 +63,10 @@ class Harness:
             rids.append(req.rid); slots.append(req.slot); prefix.append(H); ext.append(n); ids += chunk
         infos = infos or [RequestInfo()] * len(batch)
         if self.flags.replay_per_request:
-            replay_prepass(self.model, self.flags, self.slots, self.pools, self.req_to_token, rids, slots, prefix)
+            replay_prepass(self.model, self.flags, self.slots, self.pools, self.req_to_token, rids, slots, prefix,
+                           snapshots)
         plan = plan_forward(self.cfg, self.flags, self.slots, self.pools, self.req_to_token, rids, slots,
-                            prefix, ext, torch.tensor(ids), infos)
+                            prefix, ext, torch.tensor(ids), infos, snapshots)
         keys = PoolKeys(self.cfg, self.model.codec, self.pools, self.slots, plan)
         dec = self.model.run_layers(self.model.embed(plan.input_ids), plan.batch, keys)
         keys.commit()

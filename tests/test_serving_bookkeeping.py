@@ -187,3 +187,68 @@ def test_unaligned_stale_hit_is_a_clear_error(model):
     b = h.admit("b", 1, a.ids[:51] + [7], hit_from=a, hit=51)
     with pytest.raises(ValueError, match="not aligned"):
         h.step([(b, 1)])
+
+
+def test_snapshot_continues_a_session_exactly(model):
+    """Turn 2 = turn 1's prompt + output + new text: the finished turn's state is restored at the
+    hit and nothing is replayed; the result equals continuing the reference's own cache."""
+    from cedar.backend.replay import continue_prefill, greedy
+    from cedar.backend.serving.snapshots import SnapshotStore
+
+    store = SnapshotStore(2**26)
+    h = Harness(model)
+    p1 = ids(300, 30)
+    t1 = h.admit("t1", 0, p1)
+    out, _ = h.step([(t1, 300)])
+    for _ in range(5):  # decode 5 tokens; the last one is never fed (as in SGLang)
+        t1.ids.append(int(out["t1"][-1].argmax()))
+        out, _ = h.step([(t1, 1)])
+    t1.ids.append(int(out["t1"][-1].argmax()))
+    assert store.save(h.slots, 0, h.slots.owners[0].hasher)
+    # reference: the same session in one cache
+    cache = new_cache(CFG, True)
+    res = prefill(model, cache, torch.tensor(p1), replay_span(0, W))
+    gen = greedy(model, cache, res.logits[-1], 6)
+    assert gen == t1.ids[300:]
+    new = ids(40, 31)
+    H = len(t1.ids) - 1 - (len(t1.ids) - 1) % CFG.page_size  # what the tree matches
+    t2 = h.admit("t2", 3, t1.ids + new, hit_from=t1, hit=H)
+    plan_out, plan = h.step([(t2, len(t2.ids) - H)], snapshots=store)
+    r = plan.requests[0]
+    assert (r.replayed, r.row_start) == (0, H) and h.slots.owners[3].restored_tokens == H
+    ref = continue_prefill(model, cache, torch.tensor([t1.ids[-1]] + new))
+    assert close(plan_out["t2"][-1], ref.logits[-1])
+    # without the snapshot the same turn replays W rows and moves away from the exact state
+    h2 = Harness(model)
+    t1b = h2.admit("t1", 0, t1.ids[:-1])
+    h2.step([(t1b, len(t1b.ids))])
+    t2b = h2.admit("t2", 3, t1.ids + new, hit_from=t1b, hit=H)
+    out_b, plan_b = h2.step([(t2b, len(t2b.ids) - H)])
+    assert plan_b.requests[0].replayed == W
+
+
+def test_snapshot_budget_drops_oldest_and_never_restores_stale_state(model):
+    from cedar.backend.serving.prefix_digest import prefix_digest
+    from cedar.backend.serving.snapshots import SnapshotStore
+
+    h = Harness(model)
+    reqs = []
+    for i in range(3):
+        r = h.admit(f"r{i}", i, ids(64, 40 + i))
+        h.step([(r, 64)])
+        reqs.append(r)
+    one = sum(t[0].numel() * t.element_size() for t in h.slots.slot_tensors().values())
+    store = SnapshotStore(2 * one)  # room for two
+    for i, r in enumerate(reqs):
+        assert store.save(h.slots, i, h.slots.owners[i].hasher)
+    assert len(store) == 2 and store.dropped == 1 and store.used_bytes <= store.budget_bytes
+
+    def digest(r, n):
+        s = torch.tensor(r.token_slots[:n])
+        return prefix_digest(s, h.pools.token_ids[s])
+
+    assert not store.restore(h.slots, 5, "x", 64, digest(reqs[0], 64))  # dropped: falls back
+    assert store.restore(h.slots, 5, "y", 64, digest(reqs[2], 64))
+    # same tokens in other token slots (a recomputed prefix) never match
+    other = torch.tensor(reqs[2].token_slots[:64]) + 2
+    assert not store.restore(h.slots, 6, "z", 64, prefix_digest(other, h.pools.token_ids[torch.tensor(reqs[2].token_slots[:64])]))

@@ -17,6 +17,7 @@ EXPECTED_PARAMS = {
     "init_new": ["cls", "batch", "model_runner"],
     "meta_info": ["self", "meta_info", "state", "customized_info", "index", "finish_reason"],
     "validate": ["self", "obj", "input_ids"],
+    "release": ["req", "tree_cache", "checkpoint"],
     "state": ["self", "recv_req"],
     "handlers": ["self"],
 }

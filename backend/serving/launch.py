@@ -27,6 +27,7 @@ class ServeConfig:
     replay: str = "bounded"  # bounded | exact | off
     narrow: bool = True
     replay_per_request: bool = False
+    snapshot_mb: float = 64.0
     extra: tuple[str, ...] = field(default_factory=tuple)  # further SGLang server flags
 
     def argv(self) -> list[str]:
@@ -37,7 +38,7 @@ class ServeConfig:
                 "--host", self.host, "--port", str(self.port), "--page-size", str(page),
                 "--json-model-override-args", json.dumps({"cedar_serving": {
                     "replay": self.replay, "narrow": self.narrow,
-                    "replay_per_request": self.replay_per_request}})]
+                    "replay_per_request": self.replay_per_request, "snapshot_mb": self.snapshot_mb}})]
         given = set(self.extra)
         for flag, value in CPU_DEFAULTS.items():
             if flag not in given and not any(e.startswith(flag + "=") for e in self.extra):

@@ -21,6 +21,8 @@ from torch import Tensor
 from ..config import CEDConfig
 from ..rows import RowBatch
 from .pools import RequestSlots, TokenPools
+from .prefix_digest import prefix_digest
+from .snapshots import SnapshotStore
 
 REPLAY_MODES = ("bounded", "exact", "off")
 DECODER_MODES = ("all", "tail", "skip")
@@ -34,6 +36,7 @@ class ServingFlags:
     replay: str = "bounded"
     narrow: bool = True
     replay_per_request: bool = False
+    snapshot_mb: float = 64.0  # exact-continuation snapshots budget (0: none)
 
     def __post_init__(self) -> None:
         if self.replay not in REPLAY_MODES:
@@ -99,24 +102,35 @@ def _decoder_mode(flags: ServingFlags, info: RequestInfo, decoder_pos: int, star
     return "tail"
 
 
+def _claim(cfg: CEDConfig, flags: ServingFlags, slots: RequestSlots, pools: TokenPools, slot: int, rid: str,
+           hit: int, token_slots: Tensor, snapshots: SnapshotStore | None) -> None:
+    """Give a stale ``slot`` to ``rid``: restore a snapshot that continues exactly at the hit,
+    else reset it for bounded replay from the replay start."""
+    if hit and snapshots is not None and flags.replay != "off":
+        digest = prefix_digest(token_slots[:hit], pools.token_ids[token_slots[:hit]])
+        if snapshots.restore(slots, slot, rid, hit, digest):
+            return
+    slots.reset(slot, rid, _stale_start(flags, cfg, hit))
+    slots.owners[slot].cached_tokens = hit
+
+
 def plan_forward(cfg: CEDConfig, flags: ServingFlags, slots: RequestSlots, pools: TokenPools,
                  req_to_token: Tensor, rids: list[str], req_slots: list[int], prefix_lens: list[int],
-                 extend_lens: list[int], input_ids: Tensor, infos: list[RequestInfo]) -> ServedForward:
+                 extend_lens: list[int], input_ids: Tensor, infos: list[RequestInfo],
+                 snapshots: SnapshotStore | None = None) -> ServedForward:
     """Claim or continue each request's slot and lay out the model rows of one forward.
 
-    Mutates ``slots`` (resets stale slots to their new owner). input_ids: (sum(extend_lens),)."""
+    Mutates ``slots`` (resets stale slots to their new owner, or restores a snapshot).
+    input_ids: (sum(extend_lens),)."""
     requests, ids, sched, pos, lens, offset = [], [], [], [], [], 0
     for b, (rid, slot, hit, n) in enumerate(zip(rids, req_slots, prefix_lens, extend_lens)):
-        owner = slots.owners[slot]
-        if owner.rid == rid and owner.next_pos == hit:
-            start = hit  # continues exactly: a later chunk, a decode step, a restored state
-        else:
-            start = _stale_start(flags, cfg, hit)
-            slots.reset(slot, rid, start)
-            slots.owners[slot].cached_tokens = hit
-        owner = slots.owners[slot]
         seq_len = hit + n
         token_slots = req_to_token[slot, :seq_len].long()
+        owner = slots.owners[slot]
+        if not (owner.rid == rid and owner.next_pos == hit):  # else: a later chunk, a decode step
+            _claim(cfg, flags, slots, pools, slot, rid, hit, token_slots, snapshots)
+        owner = slots.owners[slot]
+        start = owner.next_pos
         replay_ids = pools.token_ids[token_slots[start:hit]].long()
         mode = _decoder_mode(flags, infos[b], owner.decoder_pos, start, seq_len - start, cfg.sliding_window)
         requests.append(ServedRequest(slot, rid, start, hit, seq_len, owner.window_floor, hit - start,

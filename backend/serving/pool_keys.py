@@ -157,6 +157,7 @@ class PoolKeys(KeySource):
             owner = self.slots.owners[req.slot]
             owner.next_pos = req.seq_len
             owner.replayed_tokens += req.replayed
+            owner.hasher.advance(req.token_slots, self.pools.token_ids, req.seq_len)
             if req.decoder != "skip":
                 owner.decoder_pos = req.seq_len
 

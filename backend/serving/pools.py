@@ -21,6 +21,7 @@ from cedar.kernels.formats import GLOBAL_ROW, INDEX_ROW, WINDOW_ROW, code_cols, 
 
 from ..cache import ring_size
 from ..config import CEDConfig
+from .prefix_digest import PrefixHasher
 
 
 def _nbytes(*tensors: Tensor) -> int:
@@ -70,6 +71,8 @@ class SlotOwner:
     window_floor: int = 0  # replay start of this owner's first forward
     cached_tokens: int = 0
     replayed_tokens: int = 0
+    restored_tokens: int = 0  # the prefix a snapshot continued exactly (nothing replayed)
+    hasher: PrefixHasher | None = None  # digest of this owner's prefix at page boundaries
 
 
 @dataclass
@@ -115,7 +118,21 @@ class RequestSlots:
         for s in self.tail_len:
             self.tail_len[s][slot] = 0
         self.enc_pos[slot] = -1
-        self.owners[slot] = SlotOwner(rid=rid, next_pos=start, decoder_pos=start, window_floor=start)
+        self.owners[slot] = SlotOwner(rid=rid, next_pos=start, decoder_pos=start, window_floor=start,
+                                      hasher=PrefixHasher(self.cfg.page_size))
+
+    def slot_tensors(self) -> dict[str, Tensor]:
+        """Every private per-slot tensor by name (first dim = request slot)."""
+        out = {}
+        for layer in self.ring_pos:
+            out[f"ring_rows.{layer}"] = self.ring_rows[layer]
+            out[f"ring_scales.{layer}"] = self.ring_scales[layer]
+            out[f"ring_pos.{layer}"] = self.ring_pos[layer]
+        for s in self.tail_len:
+            out[f"tail_kv.{s}"], out[f"tail_gate.{s}"] = self.tail_kv[s], self.tail_gate[s]
+            out[f"tail_len.{s}"] = self.tail_len[s]
+        out["enc_out"], out["enc_pos"] = self.enc_out, self.enc_pos
+        return out
 
     @property
     def nbytes(self) -> int:

@@ -11,21 +11,25 @@ import dataclasses
 
 from torch import Tensor
 
-from .planner import RequestInfo, ServedForward, ServingFlags, plan_forward
+from .planner import RequestInfo, ServedForward, ServingFlags, _claim, plan_forward
 from .pool_keys import PoolKeys
 from .pools import RequestSlots, TokenPools
+from .snapshots import SnapshotStore
 
 
 def replay_prepass(model, flags: ServingFlags, slots: RequestSlots, pools: TokenPools, req_to_token: Tensor,
-                   rids: list[str], req_slots: list[int], prefix_lens: list[int]) -> list[ServedForward]:
+                   rids: list[str], req_slots: list[int], prefix_lens: list[int],
+                   snapshots: SnapshotStore | None = None) -> list[ServedForward]:
     """Run one replay forward per request whose slot is stale at a hit; returns their plans."""
     cfg, plans = model.cfg, []
     for rid, slot, hit in zip(rids, req_slots, prefix_lens):
         owner = slots.owners[slot]
         if hit == 0 or (owner.rid == rid and owner.next_pos == hit):
             continue
-        start = hit - (hit if flags.replay == "exact" else min(cfg.sliding_window, hit))
-        slots.reset(slot, rid, start)
+        _claim(cfg, flags, slots, pools, slot, rid, hit, req_to_token[slot, :hit].long(), snapshots)
+        start = slots.owners[slot].next_pos
+        if start == hit:  # a snapshot continued it exactly
+            continue
         ids = pools.token_ids[req_to_token[slot, start:hit].long()].long()
         plan = plan_forward(cfg, flags, slots, pools, req_to_token, [rid], [slot], [start], [hit - start],
                             ids, [RequestInfo(final_chunk=False)])
@@ -34,6 +38,5 @@ def replay_prepass(model, flags: ServingFlags, slots: RequestSlots, pools: Token
         keys = PoolKeys(cfg, model.codec, pools, slots, plan)
         model.run_layers(model.embed(plan.input_ids), plan.batch, keys)
         keys.commit()
-        slots.owners[slot].cached_tokens = hit
         plans.append(plan)
     return plans

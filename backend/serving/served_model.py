@@ -30,6 +30,7 @@ from .planner import RequestInfo, ServingFlags, plan_forward
 from .pool_keys import PoolKeys
 from .prepass import replay_prepass
 from .pools import RequestSlots, TokenPools
+from .snapshots import SnapshotStore
 from .stats import ServingStats
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,8 @@ logger = logging.getLogger(__name__)
 def flags_from_config(hf_config) -> ServingFlags:
     """Serving flags travel in the HF config (``--json-model-override-args``), not env vars."""
     raw = dict(getattr(hf_config, "cedar_serving", None) or {})
-    return ServingFlags(**{k: raw[k] for k in ("replay", "narrow", "replay_per_request") if k in raw})
+    fields = ("replay", "narrow", "replay_per_request", "snapshot_mb")
+    return ServingFlags(**{k: raw[k] for k in fields if k in raw})
 
 
 class CedarForCausalLM(nn.Module):
@@ -84,6 +86,7 @@ class CedarForCausalLM(nn.Module):
                              f"{self.cfg.page_size} (serve with --page-size {self.cfg.page_size})")
         self.pools = TokenPools(self.cfg, num_token_slots)
         self.slots = RequestSlots(self.cfg, num_request_slots)
+        self.snapshots = SnapshotStore(int(self.flags.snapshot_mb * 2**20)) if self.flags.snapshot_mb > 0 else None
         figures = self.memory_figures()
         logger.info("cedar pools: %s", json.dumps(figures))
         return figures
@@ -99,8 +102,15 @@ class CedarForCausalLM(nn.Module):
             figures.update(
                 token_slots=self.pools.num_slots, token_pool_bytes=self.pools.nbytes,
                 request_slots=self.slots.num_slots, request_slot_bytes=self.slots.nbytes,
-                swa_bytes_per_request_allocated=self.slots.window_bytes_per_slot)
+                swa_bytes_per_request_allocated=self.slots.window_bytes_per_slot,
+                snapshots=self.snapshots.stats() if self.snapshots is not None else None)
         return figures
+
+    def on_request_finished(self, slot: int, rid: str) -> bool:
+        """A request finished (release hook): keep its slot's state for exact continuation."""
+        if self.snapshots is None or self.slots is None or self.slots.owners[slot].rid != rid:
+            return False
+        return self.snapshots.save(self.slots, slot, self.slots.owners[slot].hasher)
 
     def _ensure_pools(self) -> None:
         if self.pools is None:  # the allocation hook did not run: fail loudly, never guess
@@ -130,9 +140,9 @@ class CedarForCausalLM(nn.Module):
                 else fb.req_pool_indices.tolist())
         if self.flags.replay_per_request:
             for pre in replay_prepass(self.model, self.flags, self.slots, self.pools, req_to_token,
-                                      args[5], args[6], prefix):
+                                      args[5], args[6], prefix, self.snapshots):
                 self.stats.record(pre)
-        plan = plan_forward(*args, prefix, ext, input_ids, infos)
+        plan = plan_forward(*args, prefix, ext, input_ids, infos, self.snapshots)
         keys = PoolKeys(self.cfg, self.model.codec, self.pools, self.slots, plan)
         dec = self.model.run_layers(self.model.embed(plan.input_ids), plan.batch, keys)
         keys.commit()

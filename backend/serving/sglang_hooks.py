@@ -10,6 +10,7 @@ Each hook is a no-op for models other than Cedar's.
 | ModelRunner.alloc_memory_pool | size Cedar's pools from SGLang's, log the figures |
 | ForwardBatch.init_new | carry per-request facts the model needs (last chunk, prompt logprobs) |
 | TokenizerManager.update_request_meta_info | report cumulative counters once, not per token |
+| mem_cache.common.release_kv_cache | snapshot a finished request's window state (exact continuation) |
 | TokenizerManager._validate_one_request | reject empty prompts and token ids outside the vocabulary
   with a 400 (SGLang does not check ids; an out-of-range id would crash the scheduler) |
 | SchedulerInternalStateController.get_internal_state / _update_handlers | expose pools and
@@ -32,6 +33,7 @@ TARGETS = {
     "init_new": P + "model_executor.forward_batch_info.ForwardBatch.init_new",
     "meta_info": P + "managers.tokenizer_manager.TokenizerManager.update_request_meta_info",
     "validate": P + "managers.tokenizer_manager.TokenizerManager._validate_one_request",
+    "release": P + "mem_cache.common.release_kv_cache",
     "state": P + "managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state",
     "handlers": P + "managers.scheduler_components.internal_state.SchedulerInternalStateController._update_handlers",
 }
@@ -64,6 +66,7 @@ def after_alloc(result, model_runner, *args, **kwargs):
         figures = model.allocate(model_runner.token_to_kv_pool.size + model_runner.page_size,
                                  model_runner.req_to_token_pool.req_to_token.shape[0], model_runner.page_size)
         figures["max_total_num_tokens"] = model_runner.max_total_num_tokens
+        model_runner.req_to_token_pool.cedar_model = model  # NOTE: how the release hook finds it
         logger.info("cedar memory: SGLang budgets %d B/token for %d tokens; SWA %d B/request",
                     figures["budget_bytes_per_token"], model_runner.max_total_num_tokens,
                     figures["swa_bytes_per_request"])
@@ -89,6 +92,13 @@ def after_init_new(forward_batch, cls, batch, model_runner, *args, **kwargs):
     while len(model.request_infos) > 4096:  # entries of requests aborted before their forward
         model.request_infos.pop(next(iter(model.request_infos)))
     return forward_batch
+
+
+def before_release(req, tree_cache, *args, checkpoint: bool = False, **kwargs):
+    model = getattr(getattr(tree_cache, "req_to_token_pool", None), "cedar_model", None)
+    if model is not None and checkpoint and req.finished() and req.kv.holds_kv:
+        model.on_request_finished(int(req.kv.req_pool_idx), req.rid)
+    return None
 
 
 def around_meta_info(original, self, meta_info, state, customized_info, index, finish_reason):
@@ -161,5 +171,6 @@ def install() -> None:
     HookRegistry.register(TARGETS["init_new"], after_init_new, HookType.AFTER)
     HookRegistry.register(TARGETS["meta_info"], around_meta_info, HookType.AROUND)
     HookRegistry.register(TARGETS["validate"], before_validate, HookType.BEFORE)
+    HookRegistry.register(TARGETS["release"], before_release, HookType.BEFORE)
     HookRegistry.register(TARGETS["state"], after_state, HookType.AFTER)
     HookRegistry.register(TARGETS["handlers"], after_handlers, HookType.AFTER)

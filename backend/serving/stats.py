@@ -1,8 +1,8 @@
 """What a served forward reused, for each response's ``meta_info`` and for Prometheus.
 
 Per request (read off its slot's owner, cumulative over its forwards): ``replayed_tokens``
-(rows recomputed for the window only) and ``cedar_cached_tokens`` (the prefix hit its slot was
-claimed with). SGLang appends one value per forward to ``meta_info``; the meta-info hook in
+(rows recomputed for the window only) and ``restored_tokens`` (the prefix a snapshot continued
+exactly, replaying nothing). SGLang appends one value per forward to ``meta_info``; the meta-info hook in
 :mod:`sglang_hooks` keeps the last (cumulative) value.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-META_KEYS = ("replayed_tokens",)
+META_KEYS = ("replayed_tokens", "restored_tokens")
 
 
 class ServingStats:
@@ -36,4 +36,6 @@ class ServingStats:
             counter.inc(n)
 
     def meta_info(self, plan, slots) -> dict:
-        return {"replayed_tokens": [slots.owners[r.slot].replayed_tokens for r in plan.requests]}
+        owners = [slots.owners[r.slot] for r in plan.requests]
+        return {"replayed_tokens": [o.replayed_tokens for o in owners],
+                "restored_tokens": [o.restored_tokens for o in owners]}

@@ -1,0 +1,1 @@
+"""Benchmarks that drive Cedar's real SGLang server over HTTP (``cedar bench ...``)."""

@@ -1,0 +1,94 @@
+"""Exact continuation (SPEC section 3): when a request finishes, its slot's private state (window
+rings, compressor tails, encoder outputs) may be kept, so that the next turn of a multi-turn
+session (new prompt = old prompt + old output + new text) restores it and replays nothing.
+
+A snapshot is keyed by a digest of the (token slot, token id) pairs of the prefix it continues,
+at each of its last few page boundaries: a later request whose prefix hit ends at one of them,
+over the very same token slots and tokens, restores it. The digest makes restoring stale state
+impossible: a prefix that was evicted and recomputed lives in other token slots. Snapshots are
+kept LRU within a byte budget; when the budget is exhausted the oldest are dropped (a later hit
+then falls back to bounded replay).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .prefix_digest import PrefixHasher
+from .pools import RequestSlots, SlotOwner
+
+
+@dataclass
+class Snapshot:
+    owner: SlotOwner
+    tensors: dict[str, Tensor]  # name -> the slot's row of each private tensor
+    nbytes: int
+
+
+class SnapshotStore:
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self.used_bytes = 0
+        self._by_key: dict[tuple[int, str], int] = {}  # (boundary position, digest) -> snapshot id
+        self._snaps: OrderedDict[int, tuple[Snapshot, list[tuple[int, str]]]] = OrderedDict()
+        self._next_id = 0
+        self.saved = self.restored = self.dropped = 0
+
+    def __len__(self) -> int:
+        return len(self._snaps)
+
+    def save(self, slots: RequestSlots, slot: int, hasher: PrefixHasher) -> bool:
+        """Copy ``slot``'s private state, restorable at each boundary ``hasher`` remembers."""
+        keys = list(hasher.boundaries.items())
+        tensors = {name: t[slot].clone() for name, t in slots.slot_tensors().items()}
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        if not keys or nbytes > self.budget_bytes:
+            return False
+        while self.used_bytes + nbytes > self.budget_bytes:
+            self._drop_oldest()
+        owner = slots.owners[slot]
+        snap = Snapshot(SlotOwner(owner.rid, owner.next_pos, owner.decoder_pos, owner.window_floor,
+                                  hasher=None), tensors, nbytes)
+        sid, self._next_id = self._next_id, self._next_id + 1
+        self._snaps[sid] = (snap, keys)
+        for key in keys:
+            self._by_key[key] = sid
+        self.used_bytes += nbytes
+        self.saved += 1
+        return True
+
+    def restore(self, slots: RequestSlots, slot: int, rid: str, hit: int, digest: str) -> bool:
+        """If a snapshot continues exactly at ``hit`` over the same prefix, load it into ``slot``
+        (its owner becomes ``rid`` at position ``hit``) and return True."""
+        sid = self._by_key.get((hit, digest))
+        if sid is None:
+            return False
+        snap, _ = self._snaps[sid]
+        self._snaps.move_to_end(sid)
+        for name, t in slots.slot_tensors().items():
+            t[slot] = snap.tensors[name]
+        # NOTE: state at positions >= hit is ignored by every reader (positions are tagged) and
+        # the compressor tail of a page-aligned position is empty.
+        for s in slots.tail_len:
+            slots.tail_len[s][slot] = 0
+        slots.owners[slot] = SlotOwner(rid=rid, next_pos=hit, decoder_pos=min(hit, snap.owner.decoder_pos),
+                                       window_floor=snap.owner.window_floor, cached_tokens=hit,
+                                       restored_tokens=hit, hasher=PrefixHasher(slots.cfg.page_size))
+        self.restored += 1
+        return True
+
+    def _drop_oldest(self) -> None:
+        sid, (snap, keys) = self._snaps.popitem(last=False)
+        for key in keys:
+            if self._by_key.get(key) == sid:
+                del self._by_key[key]
+        self.used_bytes -= snap.nbytes
+        self.dropped += 1
+
+    def stats(self) -> dict:
+        return {"snapshots": len(self), "snapshot_bytes": self.used_bytes, "snapshot_budget_bytes": self.budget_bytes,
+                "saved": self.saved, "restored": self.restored, "dropped": self.dropped}
