@@ -229,3 +229,56 @@ def test_multi_turn_session_restores_its_snapshot_and_replays_nothing(checked_se
     assert turn2[0] == toks
     assert abs(turn2[1][0] - float(torch.log_softmax(res2.logits[-1], -1)[toks[0]])) <= LOGPROB_ATOL
     assert checked_server.cedar_state()["snapshots"]["restored"] >= 1
+
+
+def switch(server, **values):
+    status, out = server.post("/set_internal_state", {"server_args": values})
+    assert status == 200 and out == [True], out  # one scheduler accepted the update
+
+
+def reference_untrimmed(ref, ids, n=NEW):
+    cache = new_cache(ref.cfg, True)
+    res = prefill(ref, cache, torch.tensor(ids), replay_span(0, W), narrow=False)
+    toks = greedy(ref, cache, res.logits[-1], n)
+    return toks, float(torch.log_softmax(res.logits[-1], -1)[toks[0]]), res
+
+
+def test_narrowing_off_equals_the_untrimmed_reference(checked_server, ref):
+    ids = prompt(300, 16)
+    switch(checked_server, cedar_narrow=0)
+    try:
+        assert checked_server.cedar_state()["flags"]["narrow"] is False
+        served = generate(checked_server, ids)
+    finally:
+        switch(checked_server, cedar_narrow=1)
+    toks, lp, _ = reference_untrimmed(ref, ids)
+    assert_matches(served, (toks, lp))
+    assert reference(ref, ids)[1] != lp  # narrowing does change the result: the test can tell
+
+
+def test_exact_mode_after_a_hit_equals_cold(checked_server, ref):
+    a = prompt(400, 17)
+    b = a[:300] + prompt(40, 18)
+    generate(checked_server, a)
+    switch(checked_server, cedar_replay_exact=1)
+    try:
+        served = generate(checked_server, b)
+    finally:
+        switch(checked_server, cedar_replay_exact=0)
+    assert served[2]["cached_tokens"] == 300 and served[2]["replayed_tokens"] == 300
+    toks, lp, _ = reference_untrimmed(ref, b)
+    assert_matches(served, (toks, lp))
+
+
+def test_prompt_logprobs_run_untrimmed(checked_server, ref):
+    ids = prompt(260, 19)
+    status, out = checked_server.post("/generate", {
+        "input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+    assert status == 200, out
+    served = [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"] if lp is not None]
+    _, _, res = reference_untrimmed(ref, ids, n=1)
+    logp = torch.log_softmax(res.logits[:-1], -1)  # row i predicts token i + 1
+    want = logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
+    assert len(served) == len(want)
+    assert max(abs(a - b) for a, b in zip(served, want)) <= LOGPROB_ATOL

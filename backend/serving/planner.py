@@ -91,10 +91,10 @@ def _stale_start(flags: ServingFlags, cfg: CEDConfig, hit: int) -> int:
 
 def _decoder_mode(flags: ServingFlags, info: RequestInfo, decoder_pos: int, start: int,
                   num_rows: int, window: int) -> str:
-    if not flags.narrow or flags.replay == "exact" or info.prompt_logprobs:
-        if decoder_pos != start:
-            raise ValueError("an untrimmed request found its decoder behind (chunk mode changed)")
+    if (not flags.narrow or flags.replay == "exact" or info.prompt_logprobs) and decoder_pos == start:
         return "all"
+    # NOTE: an untrimmed request whose decoder is behind (its mode was switched mid-prompt) can
+    # only run the carried tail: the decoder never saw its earlier rows.
     if not info.final_chunk:
         return "skip"
     if decoder_pos == start and num_rows <= window:

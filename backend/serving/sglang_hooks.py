@@ -37,6 +37,12 @@ TARGETS = {
     "state": P + "managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state",
     "handlers": P + "managers.scheduler_components.internal_state.SchedulerInternalStateController._update_handlers",
 }
+# runtime switches for /set_internal_state (0/1): benchmarks and tests flip modes in one server
+SWITCHES = {
+    "cedar_replay_per_request": lambda flags, on: dict(replay_per_request=on),
+    "cedar_narrow": lambda flags, on: dict(narrow=on),
+    "cedar_replay_exact": lambda flags, on: dict(replay="exact" if on else "bounded"),
+}
 REPLAY_SWITCH = "cedar_replay_per_request"
 
 
@@ -151,10 +157,12 @@ def after_handlers(handlers, self):
             raise UpdateRejected(f"{key} must be 0 or 1")
 
     def apply(key, value):
-        model.flags = dataclasses.replace(model.flags, replay_per_request=bool(value))
+        model.flags = dataclasses.replace(model.flags, **SWITCHES[key](model.flags, bool(value)))
         return {}
 
-    handlers[REPLAY_SWITCH] = type(next(iter(handlers.values())))(validate, apply)
+    handler_cls = type(next(iter(handlers.values())))
+    for key in SWITCHES:
+        handlers[key] = handler_cls(validate, apply)
     return handlers
 
 
