@@ -37,6 +37,7 @@ class ServingFlags:
     narrow: bool = True
     replay_per_request: bool = False
     snapshot_mb: float = 64.0  # exact-continuation snapshots budget (0: none)
+    snapshots: bool = True  # restore/save snapshots (a runtime switch; the budget stays allocated)
 
     def __post_init__(self) -> None:
         if self.replay not in REPLAY_MODES:
@@ -106,7 +107,7 @@ def _claim(cfg: CEDConfig, flags: ServingFlags, slots: RequestSlots, pools: Toke
            hit: int, token_slots: Tensor, snapshots: SnapshotStore | None) -> None:
     """Give a stale ``slot`` to ``rid``: restore a snapshot that continues exactly at the hit,
     else reset it for bounded replay from the replay start."""
-    if hit and snapshots is not None and flags.replay != "off":
+    if hit and snapshots is not None and flags.snapshots and flags.replay != "off":
         digest = prefix_digest(token_slots[:hit], pools.token_ids[token_slots[:hit]])
         if snapshots.restore(slots, slot, rid, hit, digest):
             return

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 def flags_from_config(hf_config) -> ServingFlags:
     """Serving flags travel in the HF config (``--json-model-override-args``), not env vars."""
     raw = dict(getattr(hf_config, "cedar_serving", None) or {})
-    fields = ("replay", "narrow", "replay_per_request", "snapshot_mb")
+    fields = ("replay", "narrow", "replay_per_request", "snapshot_mb", "snapshots")
     return ServingFlags(**{k: raw[k] for k in fields if k in raw})
 
 
@@ -108,7 +108,8 @@ class CedarForCausalLM(nn.Module):
 
     def on_request_finished(self, slot: int, rid: str) -> bool:
         """A request finished (release hook): keep its slot's state for exact continuation."""
-        if self.snapshots is None or self.slots is None or self.slots.owners[slot].rid != rid:
+        if self.snapshots is None or not self.flags.snapshots or self.slots is None \
+                or self.slots.owners[slot].rid != rid:
             return False
         return self.snapshots.save(self.slots, slot, self.slots.owners[slot].hasher)
 

@@ -42,6 +42,7 @@ SWITCHES = {
     "cedar_replay_per_request": lambda flags, on: dict(replay_per_request=on),
     "cedar_narrow": lambda flags, on: dict(narrow=on),
     "cedar_replay_exact": lambda flags, on: dict(replay="exact" if on else "bounded"),
+    "cedar_snapshots": lambda flags, on: dict(snapshots=on),
 }
 REPLAY_SWITCH = "cedar_replay_per_request"
 
@@ -131,6 +132,8 @@ def before_validate(self, obj, input_ids, *args, **kwargs):
 
 
 def after_state(output, self, recv_req):
+    import dataclasses
+
     model = _cedar_model(self.scheduler.tp_worker.model_runner)
     if model is not None:
         from .integrity import pool_integrity
@@ -138,8 +141,7 @@ def after_state(output, self, recv_req):
         state = dict(model.memory_figures())
         state["integrity"] = pool_integrity(self.scheduler)
         state["replayed_tokens_total"] = model.stats.replayed_tokens
-        state["flags"] = {"replay": model.flags.replay, "narrow": model.flags.narrow,
-                          "replay_per_request": model.flags.replay_per_request}
+        state["flags"] = dataclasses.asdict(model.flags)
         output.internal_state["cedar"] = state
     return output
 
