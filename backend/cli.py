@@ -103,6 +103,17 @@ def _cmd_bench_hits(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_prefill(args: argparse.Namespace) -> int:
+    from .bench.prefill import run_prefill_benchmark
+    from .demo import ensure_model
+
+    ensure_model(Path(args.model))
+    grid = dict(prompt_lens=(512, 2048), repeats=2) if args.quick else {}
+    report = run_prefill_benchmark(Path(args.model), Path(args.json), args.plot, **grid)
+    print(f"[bench prefill] {report['wall_s']} s; wrote {args.json}" + (f" and {args.plot}" if args.plot else ""))
+    return 0
+
+
 def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks against the real SGLang server")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
@@ -112,6 +123,12 @@ def _add_bench(sub) -> None:
     s.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
     s.add_argument("--quick", action="store_true", help="prefixes 256,1024; 16 new tokens; C 1,8; 2 repeats")
     s.set_defaults(fn=_cmd_bench_hits)
+    s = kinds.add_parser("prefill", help="TTFT of cold prefills with decoder narrowing on vs off (+ FLOP bound)")
+    s.add_argument("--json", required=True, help="write the report here")
+    s.add_argument("--plot", default=None, help="also write a PNG bar chart here")
+    s.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
+    s.add_argument("--quick", action="store_true", help="prompts 512, 2048; 2 repeats")
+    s.set_defaults(fn=_cmd_bench_prefill)
 
 
 def build_parser() -> argparse.ArgumentParser:

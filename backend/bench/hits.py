@@ -29,10 +29,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from ..serving.sglang_hooks import REPLAY_SWITCH
+
+if TYPE_CHECKING:
+    from ..serving.process import ServerProcess
 
 MODES = ("cold", "hit_in_forward", "hit_per_request")
 FIRST_ID = 8  # token ids 0-7 are special
@@ -114,6 +118,8 @@ def stream_generate(host: str, port: int, body: bytes) -> Sample:
                 raise RuntimeError(f"/generate streamed an error: {last['error']}")
     finally:
         conn.close()
+    if last is None:
+        raise RuntimeError("/generate streamed no data line")
     meta = last["meta_info"]
     return Sample(ttft_s * 1e3, int(meta["cached_tokens"]), int(meta.get("replayed_tokens") or 0))
 
@@ -126,7 +132,7 @@ def _body(ids: list[int]) -> bytes:
 class HitsRun:
     """One server: fresh seeds, the replay switch, concurrent groups and their prefill forwards."""
 
-    def __init__(self, srv, vocab_size: int) -> None:
+    def __init__(self, srv: ServerProcess, vocab_size: int) -> None:
         self.srv, self.vocab_size, self.next_seed = srv, vocab_size, 1
 
     def ids(self, n: int) -> list[int]:
@@ -134,12 +140,15 @@ class HitsRun:
         return fresh_ids(self.next_seed, n, self.vocab_size)
 
     def flush(self) -> None:
+        """Empty the radix cache (waits up to 60 s for the server to go idle)."""
         conn = http.client.HTTPConnection(self.srv.cfg.host, self.srv.cfg.port, timeout=120)
-        conn.request("POST", "/flush_cache?timeout=60")
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"/flush_cache failed: {resp.read()!r}")
-        conn.close()
+        try:
+            conn.request("POST", "/flush_cache?timeout=60")
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise RuntimeError(f"/flush_cache failed: {resp.read()!r}")
+        finally:
+            conn.close()
 
     def set_per_request(self, on: bool) -> None:
         status, out = self.srv.post("/set_internal_state", {"server_args": {REPLAY_SWITCH: int(on)}})
@@ -165,6 +174,7 @@ class HitsRun:
 
 
 def measure_cell(run: HitsRun, L: int, N: int, C: int, repeats: int, window: int) -> dict:
+    load_before = os.getloadavg()[0]
     run.flush()
     run.set_per_request(False)
     prefix = run.ids(L)
@@ -185,7 +195,9 @@ def measure_cell(run: HitsRun, L: int, N: int, C: int, repeats: int, window: int
                     mismatches.append({"mode": mode, "repeat": rep, "cached_tokens": s.cached_tokens,
                                        "replayed_tokens": s.replayed_tokens, "expected": list(expect[mode])})
     run.set_per_request(False)
-    return _row(L, N, C, ttft, forwards, mismatches)
+    row = _row(L, N, C, ttft, forwards, mismatches)
+    row["load_avg_1m_before_after"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    return row
 
 
 def warm_up(run: HitsRun, L: int, window: int) -> None:
@@ -195,7 +207,7 @@ def warm_up(run: HitsRun, L: int, window: int) -> None:
 
 def _row(L: int, N: int, C: int, ttft: dict, forwards: dict, mismatches: list) -> dict:
     modes = {m: {"median_ms": round(float(np.median(v)), 2), "p90_ms": round(float(np.percentile(v, 90)), 2),
-                 "num_requests": len(v), "ttft_ms": [round(t, 2) for t in v],
+                 "min_ms": round(min(v), 2), "num_requests": len(v), "ttft_ms": [round(t, 2) for t in v],
                  "prefill_seqs_per_forward": forwards[m]} for m, v in ttft.items()}
     med = {m: modes[m]["median_ms"] for m in MODES}
     return {"prefix_len": L, "new_len": N, "concurrency": C, "modes": modes,
@@ -246,10 +258,15 @@ def _notes(grid: HitsGrid) -> list[str]:
         f"--max-total-tokens >= 2 x {grid.cell_tokens} token slots one cell fills; the radix cache is "
         "flushed (/flush_cache) before each cell, so nothing is evicted inside a cell.",
         f"Each cell: flush, serve P + {WARM_SUFFIX_LEN} private tokens once untimed (so a hit at L is "
-        "not an exact continuation of a finished request and takes bounded replay), then per repeat one group of C concurrent "
-        "requests per mode, modes interleaved (cold, hit_in_forward, hit_per_request).",
+        "not an exact continuation of a finished request and takes bounded replay), then per repeat "
+        "one group of C concurrent requests per mode, modes interleaved (cold, hit_in_forward, "
+        "hit_per_request).",
         "Every prompt and suffix starts with a page spelling a fresh seed, so cold prompts never hit and "
         "hit suffixes never extend the hit beyond L.",
+        "SGLang's overlap scheduler is on (its default). On CPU a forward's first tokens are streamed only "
+        "after the next forward has run, so when a group is split (e.g. [1, 7]) the lone first request "
+        "also waits for the 7-request forward (--disable-overlap-schedule gives it its own TTFT; the "
+        "medians barely move).",
         "ratio_* are ratios of medians.",
     ]
 
@@ -267,8 +284,9 @@ def format_table(table: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_hits_benchmark(model_dir, out_json, plot_png=None, prefixes=(256, 1024, 4096), new_tokens=(16, 128),
-                       concurrency=(1, 8), repeats=5) -> dict:
+def run_hits_benchmark(model_dir: str | Path, out_json: str | Path, plot_png: str | Path | None = None,
+                       prefixes: Sequence[int] = (256, 1024, 4096), new_tokens: Sequence[int] = (16, 128),
+                       concurrency: Sequence[int] = (1, 8), repeats: int = 5) -> dict:
     """Start one server, measure every cell, write the JSON (and the PNG); return the report."""
     import sglang
 

@@ -1,0 +1,25 @@
+"""The FLOP model behind `cedar bench prefill`'s analytic bound."""
+
+from cedar.backend.bench.flops import layer_flops, narrowing_speedup_bound, prefill_flops
+from cedar.backend.geometries import cedar_tiny, v41_flash
+
+
+def test_no_speedup_when_the_prompt_fits_the_window():
+    cfg = cedar_tiny()
+    for P in (1, 64, cfg.sliding_window):
+        assert narrowing_speedup_bound(cfg, P) == 1.0
+
+
+def test_bound_grows_with_the_prompt_and_is_about_two_for_linear_costs():
+    cfg = cedar_tiny()
+    bounds = [narrowing_speedup_bound(cfg, P) for P in (256, 512, 2048, 8192)]
+    assert bounds == sorted(bounds) and 1.0 < bounds[0]
+    # half the layers skipped: about 2x, more where the decoder's indexers (quadratic) dominate
+    assert 1.8 < bounds[2] < 2.5
+    assert prefill_flops(cfg, 2048, narrow=True) < prefill_flops(cfg, 2048, narrow=False)
+
+
+def test_indexer_term_is_quadratic():
+    cfg = v41_flash()
+    a, b = layer_flops(cfg, 20, 0, 1000), layer_flops(cfg, 20, 0, 2000)
+    assert b > 2.0 * a  # more than linear in the rows
