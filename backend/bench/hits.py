@@ -8,7 +8,9 @@ repeat so that load from other processes on a shared CPU falls on all three alik
   once before the cell (untimed); Cedar folds each hit's min(W, L) replay rows into the batched
   forward;
 - ``hit_per_request``: the same, with the ``cedar_replay_per_request`` switch on, so the model runs
-  one separate replay forward per hit request before the batch (upstream SGLang's first design).
+  one separate replay forward per hit request before the batch (upstream SGLang's first design);
+- ``hit_restored``: the same hits, but P's finished state was kept as a snapshot (exact
+  continuation): each request restores it and replays nothing.
 
 TTFT is the time from sending a streamed /generate to reading its first ``data:`` line. Every
 response's meta_info is checked (cold: cached 0, replayed 0; hit: cached L, replayed min(W, L));
@@ -38,7 +40,7 @@ from ..serving.sglang_hooks import REPLAY_SWITCH
 if TYPE_CHECKING:
     from ..serving.process import ServerProcess
 
-MODES = ("cold", "hit_in_forward", "hit_per_request")
+MODES = ("cold", "hit_in_forward", "hit_per_request", "hit_restored")
 FIRST_ID = 8  # token ids 0-7 are special
 OUTPUT_LEN = 2  # NOTE: >1 so the first streamed chunk is a first token, not the finished request
 # NOTE: P is first served as P + a private suffix, as a shared system prompt is in an agent
@@ -96,6 +98,7 @@ class Sample:
     ttft_ms: float
     cached_tokens: int
     replayed_tokens: int
+    restored_tokens: int = 0
 
 
 def stream_generate(host: str, port: int, body: bytes) -> Sample:
@@ -121,7 +124,8 @@ def stream_generate(host: str, port: int, body: bytes) -> Sample:
     if last is None:
         raise RuntimeError("/generate streamed no data line")
     meta = last["meta_info"]
-    return Sample(ttft_s * 1e3, int(meta["cached_tokens"]), int(meta.get("replayed_tokens") or 0))
+    return Sample(ttft_s * 1e3, int(meta["cached_tokens"]), int(meta.get("replayed_tokens") or 0),
+                  int(meta.get("restored_tokens") or 0))
 
 
 def _body(ids: list[int]) -> bytes:
@@ -151,10 +155,16 @@ class HitsRun:
             conn.close()
 
     def set_per_request(self, on: bool) -> None:
-        status, out = self.srv.post("/set_internal_state", {"server_args": {REPLAY_SWITCH: int(on)}})
+        self._switch(REPLAY_SWITCH, "replay_per_request", on)
+
+    def set_snapshots(self, on: bool) -> None:
+        self._switch("cedar_snapshots", "snapshots", on)
+
+    def _switch(self, key: str, flag: str, on: bool) -> None:
+        status, out = self.srv.post("/set_internal_state", {"server_args": {key: int(on)}})
         flags = self.srv.cedar_state()["flags"]
-        if status != 200 or flags["replay_per_request"] != on:
-            raise RuntimeError(f"replay switch did not take: {status} {out} {flags}")
+        if status != 200 or flags[flag] != on:
+            raise RuntimeError(f"switch {key} did not take: {status} {out} {flags}")
 
     def group(self, prompts: list[list[int]]) -> tuple[list[Sample], list[int]]:
         """Send the prompts at once; return their samples and #new-seq of each prefill forward."""
@@ -178,23 +188,32 @@ def measure_cell(run: HitsRun, L: int, N: int, C: int, repeats: int, window: int
     run.flush()
     run.set_per_request(False)
     prefix = run.ids(L)
-    run.group([prefix + run.ids(WARM_SUFFIX_LEN)])  # serve P once, untimed
-    expect = {"cold": (0, 0), "hit_in_forward": (L, min(window, L)), "hit_per_request": (L, min(window, L))}
+    run.set_snapshots(True)
+    # NOTE: P alone first: its finished state is a snapshot continuing exactly at L over P's own
+    # token slots (the tree keeps the first copy of a prefix, so a later P would not match them).
+    run.group([prefix])
+    run.group([prefix + run.ids(WARM_SUFFIX_LEN)])  # then P as a shared system prompt, untimed
+    # (cached, replayed, restored) each response must report
+    expect = {"cold": (0, 0, 0), "hit_in_forward": (L, min(window, L), 0),
+              "hit_per_request": (L, min(window, L), 0), "hit_restored": (L, 0, L)}
     ttft = {m: [] for m in MODES}
     forwards = {m: [] for m in MODES}
     mismatches = []
     for rep in range(repeats):
         for mode in MODES:
             run.set_per_request(mode == "hit_per_request")
+            run.set_snapshots(mode == "hit_restored")
             prompts = [run.ids(L + N) if mode == "cold" else prefix + run.ids(N) for _ in range(C)]
             samples, seqs = run.group(prompts)
             forwards[mode].append(seqs)
             for s in samples:
                 ttft[mode].append(s.ttft_ms)
-                if (s.cached_tokens, s.replayed_tokens) != expect[mode]:
+                if (s.cached_tokens, s.replayed_tokens, s.restored_tokens) != expect[mode]:
                     mismatches.append({"mode": mode, "repeat": rep, "cached_tokens": s.cached_tokens,
-                                       "replayed_tokens": s.replayed_tokens, "expected": list(expect[mode])})
+                                       "replayed_tokens": s.replayed_tokens, "restored_tokens": s.restored_tokens,
+                                       "expected": list(expect[mode])})
     run.set_per_request(False)
+    run.set_snapshots(True)
     row = _row(L, N, C, ttft, forwards, mismatches)
     row["load_avg_1m_before_after"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     return row
@@ -213,6 +232,7 @@ def _row(L: int, N: int, C: int, ttft: dict, forwards: dict, mismatches: list) -
     return {"prefix_len": L, "new_len": N, "concurrency": C, "modes": modes,
             "ratio_hit_in_forward_vs_cold": round(med["hit_in_forward"] / med["cold"], 3),
             "ratio_hit_per_request_vs_hit_in_forward": round(med["hit_per_request"] / med["hit_in_forward"], 3),
+            "ratio_hit_restored_vs_hit_in_forward": round(med["hit_restored"] / med["hit_in_forward"], 3),
             "mismatches": mismatches}
 
 
@@ -267,6 +287,9 @@ def _notes(grid: HitsGrid) -> list[str]:
         "after the next forward has run, so when a group is split (e.g. [1, 7]) the lone first request "
         "also waits for the 7-request forward (--disable-overlap-schedule gives it its own TTFT; the "
         "medians barely move).",
+        "hit_restored: P is first served alone once (untimed) so that its finished state is kept as a "
+        "snapshot continuing exactly at L; the group then restores it and replays nothing (the multi-turn "
+        "case). The cedar_snapshots switch is on only for this mode.",
         "ratio_* are ratios of medians.",
     ]
 
