@@ -178,16 +178,22 @@ def test_client_disconnect_mid_stream_is_cleaned_up(checked_server):
     assert len(ids) == 2
 
 
-def test_eviction_under_a_small_pool(tiny_model_dir, ref):
+def test_small_pool_chunked_mixed_batches_and_eviction(tiny_model_dir, ref):
+    """A second server: 1024 token slots, 96-token chunks, mixed prefill/decode batches."""
     srv = start_server(tiny_model_dir, "--max-total-tokens", "1024", "--chunked-prefill-size", "96",
-                       "--max-running-requests", "4")
+                       "--max-running-requests", "4", "--enable-mixed-chunk")
     try:
+        prompts = [prompt(150 + 60 * i, 300 + i) for i in range(3)]
+        with cf.ThreadPoolExecutor(3) as pool:  # chunks of one request ride with others' decodes
+            served = list(pool.map(lambda p: generate(srv, p, n=8), prompts))
+        for p, out in zip(prompts, served):
+            assert_matches(out, reference(ref, p, n=8))
         first = prompt(300, 200)
         cold = generate(srv, first)
         for i in range(8):  # 8 x 300 tokens through a 1024-token pool: the first prompt is evicted
             generate(srv, prompt(300, 201 + i))
         again = generate(srv, first)
-        assert again[2]["cached_tokens"] == 0
+        assert again[2]["cached_tokens"] == 0 and again[2]["restored_tokens"] == 0
         assert again[0] == cold[0]
         assert_matches(again, reference(ref, first))  # chunked by SGLang into 96-token pieces
         state = wait_idle_and_check(srv)

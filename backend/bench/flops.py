@@ -1,5 +1,13 @@
-"""A FLOP model of one prefill of the served CED config, untrimmed vs with decoder narrowing:
-the analytic upper bound that ``cedar bench prefill`` prints beside each measured speedup.
+"""Analytic models of one prefill of the served CED config, untrimmed vs with decoder narrowing,
+that ``cedar bench prefill`` prints beside each measured speedup.
+
+- ``narrowing_speedup_bound``: an upper bound that holds whatever the per-term constants of an
+  implementation. A prefill's cost is a sum of terms linear in the rows a layer runs (projections,
+  window and top-k attention, compressors) and terms in the entries each row scores (the indexer
+  and its top-k: quadratic in the prompt). Narrowing shrinks every term, and a ratio of sums
+  never exceeds the largest ratio of its parts, so the speedup is at most
+  max(linear-rows ratio, scored-entries ratio).
+- ``flop_estimate``: the speedup if time were proportional to FLOPs (below).
 
 Counted (multiply-adds x 2): every projection, the window attention (<= W keys per row), the
 sparse global attention (<= top-k entries per row), the indexer scores (every visible entry per
@@ -48,5 +56,22 @@ def prefill_flops(cfg: CEDConfig, prompt_len: int, narrow: bool) -> float:
     return total
 
 
-def narrowing_speedup_bound(cfg: CEDConfig, prompt_len: int) -> float:
+def flop_estimate(cfg: CEDConfig, prompt_len: int) -> float:
     return prefill_flops(cfg, prompt_len, narrow=False) / prefill_flops(cfg, prompt_len, narrow=True)
+
+
+def _rows_and_scores(cfg: CEDConfig, prompt_len: int, narrow: bool) -> tuple[float, float]:
+    """(layer-rows run, entries scored by indexers) of one prefill."""
+    E, W, P = cfg.decoder_start, cfg.sliding_window, prompt_len
+    rows = scores = 0.0
+    for layer in range(cfg.num_hidden_layers):
+        first = P - W if narrow and layer >= E and P > W else 0
+        rows += P - first
+        if cfg.role(layer) in (Role.FULL, Role.REINDEX):
+            scores += _visible_entries(first, P, cfg.compress_ratios[layer])
+    return rows, scores
+
+
+def narrowing_speedup_bound(cfg: CEDConfig, prompt_len: int) -> float:
+    (rows_off, scores_off), (rows_on, scores_on) = (_rows_and_scores(cfg, prompt_len, n) for n in (False, True))
+    return max(rows_off / rows_on, scores_off / scores_on if scores_on else 1.0)
