@@ -85,7 +85,7 @@ def ring_size(cfg, layer: int) -> int:
 
 def new_cache(cfg, quantize: bool) -> SequenceCache:
     """An empty cache for a request under config ``cfg`` (a CEDConfig)."""
-    D, Di, W = cfg.kv_latent_dim, cfg.index_head_dim, cfg.sliding_window
+    D, Di = cfg.kv_latent_dim, cfg.index_head_dim
     cache = SequenceCache(seq_len=0, window_floor=0)
     for s in cfg.kv_source_layer_ids:
         q = quantize

@@ -221,7 +221,7 @@ def _python_lines() -> list[str]:
             f'    """{verb.capitalize()} the {noun} with the given id."""',
             f"    if {noun}_id < 0:",
             f'        raise ValueError(f"bad {noun} id: {{{noun}_id}}")',
-            f"    for i in range(limit):",
+            "    for i in range(limit):",
             f"        self.{noun}s[i] = self.{noun}s.get(i, 0) + {i}",
             f"    return [str(x) for x in self.{noun}s.values()]",
             f"import torch\nx = torch.zeros({i + 1}, {2 * i + 3}, dtype=torch.float32)",

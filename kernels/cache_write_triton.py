@@ -14,10 +14,9 @@ from torch import Tensor
 
 from cedar.kernels.cache_write_ref import check_scatter_args
 from cedar.kernels.formats import GLOBAL_ROW, WINDOW_ROW, Fp4Format
-from cedar.kernels.fp4_triton import e2m1_code
+from cedar.kernels.fp4_triton import fp4_encode_groups
 from cedar.kernels.fp8_triton import (
     check_triton_group,
-    e4m3_decode,
     e4m3_encode,
     e8m0_decode,
     e8m0_exponent,
@@ -75,25 +74,8 @@ def _fp4_scatter_kernel(x_ptr, slots_ptr, pos_ptr, codes_ptr, scales_ptr, floor,
     src = x_ptr + r[:, None, None] * (2 * row_bytes) + 2 * pair
     x_even = tl.load(src, mask=mask, other=0.0).to(tl.float32)  # (R, G, HALF)
     x_odd = tl.load(src + 1, mask=mask, other=0.0).to(tl.float32)
-    finite_even = (x_even == x_even) & (tl.abs(x_even) != float("inf"))
-    finite_odd = (x_odd == x_odd) & (tl.abs(x_odd) != float("inf"))
-    poisoned = tl.max((~(finite_even & finite_odd)).to(tl.int32), axis=2) > 0  # (R, G)
-    x_even = tl.where(finite_even, x_even, 0.0)
-    x_odd = tl.where(finite_odd, x_odd, 0.0)
-    amax = tl.maximum(tl.max(tl.abs(x_even), axis=2), tl.max(tl.abs(x_odd), axis=2))
-    if E4M3_SCALE:
-        scale_byte = e4m3_encode(tl.minimum(tl.math.div_rn(amax, 6.0), 448.0))
-        nan_byte = 0x7F
-        scale = e4m3_decode(scale_byte)
-    else:
-        scale_byte = e8m0_exponent(amax, 3, 0x400000) + 127  # 6 = 0.75 * 2**3
-        nan_byte = 0xFF
-        scale = e8m0_decode(scale_byte)
-    scale = scale[:, :, None]
-    packed = e2m1_code(x_even, scale) | (e2m1_code(x_odd, scale) << 4)
-    packed = tl.where(poisoned[:, :, None], 0, packed)
+    packed, scale_byte = fp4_encode_groups(x_even, x_odd, E4M3_SCALE)
     tl.store(codes_ptr + slot[:, None, None] * row_bytes + pair, packed.to(tl.uint8), mask=mask)
-    scale_byte = tl.where(poisoned, nan_byte, scale_byte)
     tl.store(scales_ptr + slot[:, None] * num_groups + g[None, :], scale_byte.to(tl.uint8), mask=g_mask)
 
 

@@ -55,6 +55,16 @@ def _fp4_quantize_kernel(x_ptr, packed_ptr, scales_ptr, n_rows, num_groups,
                                BLOCK_ROWS, GROUPS_PAD, GROUP // 2)  # byte offsets
     x_even = load_fp32(x_ptr, 2 * offs, mask, IS_BF16)  # (R, G, GROUP / 2)
     x_odd = load_fp32(x_ptr, 2 * offs + 1, mask, IS_BF16)
+    packed, scale_byte = fp4_encode_groups(x_even, x_odd, E4M3_SCALE)
+    tl.store(packed_ptr + offs, packed.to(tl.uint8), mask=mask)
+    s_offs, s_mask = group_offsets(row0, n_rows, num_groups, num_groups, BLOCK_ROWS, GROUPS_PAD, 1)
+    tl.store(scales_ptr + s_offs, scale_byte[:, :, None].to(tl.uint8), mask=s_mask)
+
+
+@triton.jit
+def fp4_encode_groups(x_even, x_odd, E4M3_SCALE: tl.constexpr):
+    """x_even, x_odd: (R, G, GROUP / 2) f32, the even / odd elements of each group ->
+    packed bytes (R, G, GROUP / 2) int32 and scale bytes (R, G) int32 (NaN code if poisoned)."""
     finite_even = (x_even == x_even) & (tl.abs(x_even) != float("inf"))
     finite_odd = (x_odd == x_odd) & (tl.abs(x_odd) != float("inf"))
     poisoned = tl.max((~(finite_even & finite_odd)).to(tl.int32), axis=2) > 0  # (R, G)
@@ -72,10 +82,7 @@ def _fp4_quantize_kernel(x_ptr, packed_ptr, scales_ptr, n_rows, num_groups,
     scale = scale[:, :, None]
     packed = e2m1_code(x_even, scale) | (e2m1_code(x_odd, scale) << 4)
     packed = tl.where(poisoned[:, :, None], 0, packed)
-    tl.store(packed_ptr + offs, packed.to(tl.uint8), mask=mask)
-    s_offs, s_mask = group_offsets(row0, n_rows, num_groups, num_groups, BLOCK_ROWS, GROUPS_PAD, 1)
-    scale_byte = tl.where(poisoned, nan_byte, scale_byte)[:, :, None]
-    tl.store(scales_ptr + s_offs, scale_byte.to(tl.uint8), mask=s_mask)
+    return packed, tl.where(poisoned, nan_byte, scale_byte)
 
 
 @triton.jit

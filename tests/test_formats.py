@@ -130,7 +130,6 @@ def test_fp4_e4m3_largest_value_roundtrips_and_larger_saturate():
 
 @pytest.mark.parametrize("name", ["index", "window"])
 def test_e8m0_formats_roundtrip_large_aligned_values(name):
-    fmt = CODECS[name][0]
     top = 6.0 if name == "index" else 448.0
     x = torch.full((1, 64), top * 2.0**100)
     x[0, 1::2] *= -0.5

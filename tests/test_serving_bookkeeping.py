@@ -6,16 +6,14 @@ so logits agree to float32 reassociation (ATOL); global rows shared through the 
 compared byte for byte.
 """
 
-import dataclasses
 
 import pytest
 import torch
 
 from cedar.backend.cache import cache_for_hit, new_cache
 from cedar.backend.geometries import cedar_tiny
-from cedar.backend.key_source import ExtendPlan
 from cedar.backend.model_io import random_model
-from cedar.backend.replay import chunk_spans, decode, prefill, replay_span
+from cedar.backend.replay import decode, prefill, replay_span
 from cedar.backend.serving.planner import RequestInfo, ServingFlags
 from serving_harness import Harness
 

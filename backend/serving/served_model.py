@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from cedar.kernels.dispatch import KernelSet
 
+from ..config import CEDConfig
 from ..memory import memory_report
 from ..model import CEDModel
 from .hf_config import CedarHFConfig
@@ -52,7 +53,7 @@ class CedarForCausalLM(nn.Module):
         from sglang.srt.layers.logits_processor import LogitsProcessor
 
         self.config = config
-        self.cfg = CEDConfig_from(config)
+        self.cfg = ced_config_of(config)
         self.flags = flags_from_config(config)
         self.model = CEDModel(self.cfg, kernels=KernelSet.for_device("cpu"), quantize=True)
         self.lm_head = self.model.lm_head
@@ -156,9 +157,7 @@ class CedarForCausalLM(nn.Module):
         out.customized_info = self.stats.meta_info(plan, self.slots)
         return out
 
-def CEDConfig_from(hf_config) -> "CEDConfig":  # noqa: N802
-    from ..config import CEDConfig
-
+def ced_config_of(hf_config) -> CEDConfig:
     return CEDConfig.from_hf_dict(hf_config.to_dict())
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from .prefix_digest import PrefixHasher
