@@ -9,6 +9,10 @@ decides, per request:
   bounded replay, in this same forward);
 - where its decoder runs: ``all`` its rows (untrimmed), its ``tail`` (the last W positions,
   some carried over from earlier chunks), or ``skip`` (a non-final chunk under narrowing).
+
+NOTE: SGLang's scheduler does not see replay rows: a forward may run up to W more rows per stale
+hit request than its ``--chunked-prefill-size`` / ``--max-prefill-tokens`` budget (a bounded,
+documented overshoot; no admission hook).
 """
 
 from __future__ import annotations

@@ -136,15 +136,15 @@ class CedarForCausalLM(nn.Module):
             ext = [1] * fb.batch_size
         else:
             prefix, ext = list(fb.extend_prefix_lens_cpu), list(fb.extend_seq_lens_cpu)
-        infos = [self.request_infos.pop((rid, p), RequestInfo()) for rid, p in zip(fb.rids, prefix)]
-        args = (self.cfg, self.flags, self.slots, self.pools, req_to_token, list(fb.rids),
-                fb.req_pool_indices_cpu.tolist() if fb.req_pool_indices_cpu is not None
-                else fb.req_pool_indices.tolist())
+        rids = list(fb.rids)
+        req_slots = (fb.req_pool_indices_cpu if fb.req_pool_indices_cpu is not None else fb.req_pool_indices).tolist()
+        infos = [self.request_infos.pop((rid, p), RequestInfo()) for rid, p in zip(rids, prefix)]
         if self.flags.replay_per_request:
             for pre in replay_prepass(self.model, self.flags, self.slots, self.pools, req_to_token,
-                                      args[5], args[6], prefix, self.snapshots):
+                                      rids, req_slots, prefix, self.snapshots):
                 self.stats.record(pre)
-        plan = plan_forward(*args, prefix, ext, input_ids, infos, self.snapshots)
+        plan = plan_forward(self.cfg, self.flags, self.slots, self.pools, req_to_token, rids, req_slots,
+                            prefix, ext, input_ids, infos, self.snapshots)
         keys = PoolKeys(self.cfg, self.model.codec, self.pools, self.slots, plan)
         dec = self.model.run_layers(self.model.embed(plan.input_ids), plan.batch, keys)
         keys.commit()
