@@ -40,6 +40,20 @@ def run_demo(model_dir: Path, max_new_tokens: int = 12) -> int:
             meta = out.get("meta_info", {})
             print(f"[demo] {q!r}: prompt {meta.get('prompt_tokens')} tokens, cached {meta.get('cached_tokens')}, "
                   f"replayed {meta.get('replayed_tokens')} -> {out.get('text', out)!r}")
+        # a second turn of the first session: its prompt + its answer + new text continues the
+        # finished request's exact window state (restored snapshot, nothing replayed)
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        turn1 = tok.encode(f"<|bos|><|system|>{SYSTEM}<|end|><|user|>Which tests exist?<|end|><|assistant|>").ids
+        status, out1 = srv.post("/generate", {"input_ids": turn1, "sampling_params": {
+            "max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}})
+        turn2 = turn1 + out1["output_ids"] + tok.encode("<|end|><|user|>Now read the first file.<|end|><|assistant|>").ids
+        status, out2 = srv.post("/generate", {"input_ids": turn2, "sampling_params": {
+            "max_new_tokens": max_new_tokens, "temperature": 0}})
+        meta = out2.get("meta_info", {})
+        print(f"[demo] session turn 2: prompt {meta.get('prompt_tokens')} tokens, cached {meta.get('cached_tokens')}, "
+              f"restored {meta.get('restored_tokens')}, replayed {meta.get('replayed_tokens')} -> {out2.get('text')!r}")
         status, out = srv.post("/v1/chat/completions", {
             "model": str(model_dir), "max_tokens": max_new_tokens, "temperature": 0,
             "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Run the tests."}]})
