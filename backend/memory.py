@@ -4,10 +4,12 @@ global bytes/token = sum over KV sources of (global row + index row) / ratio;
 SWA bytes/request = layers x W x window row (a per-request constant, never prefix-cached);
 compressor tail bytes/request = sum over ratio>1 sources of (r - 1) x latent x 4 B x 2 (kv, gate);
 FP16 comparison = every layer caching its K = V latent in FP16 (layers x latent x 2 B per token).
+served budget/token = global bytes/token + the int32 token id replay reads, in whole bytes.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from cedar.kernels.formats import GLOBAL_ROW, INDEX_ROW, WINDOW_ROW, row_bytes
@@ -44,3 +46,9 @@ def memory_report(cfg: CEDConfig) -> MemoryReport:
                         swa_row_bytes=w_row, global_bytes_per_token=per_token,
                         swa_bytes_per_request=L * W * w_row, compressor_tail_bytes_per_request=tails,
                         fp16_all_layers_bytes_per_token=fp16, reduction_vs_fp16=fp16 / per_token)
+
+
+def budget_bytes_per_token(cfg: CEDConfig) -> int:
+    """What the served model asks SGLang to budget per token slot: the global + index rows of
+    every source (/ ratio) and the int32 token id that replay reads, rounded up."""
+    return math.ceil(memory_report(cfg).global_bytes_per_token + 4)

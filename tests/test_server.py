@@ -133,7 +133,7 @@ def test_streaming_and_openai_endpoints(checked_server):
 
 def test_server_reports_memory_budget(server):
     from cedar.backend.memory import memory_report
-    from cedar.backend.serving.served_model import budget_bytes_per_token
+    from cedar.backend.memory import budget_bytes_per_token
 
     state = server.cedar_state()
     report = memory_report(server_cfg := ref_cfg(server))

@@ -17,8 +17,11 @@ class CedarHFConfig(PretrainedConfig):
             kwargs.setdefault("head_dim", kwargs["kv_latent_dim"])
         super().__init__(**kwargs)
 
-    def to_ced_config(self) -> CEDConfig:
-        return CEDConfig.from_hf_dict(self.to_dict())
+
+
+def ced_config_of(hf_config) -> CEDConfig:
+    """The CEDConfig of an HF config object (SGLang hands the model and its hooks one)."""
+    return CEDConfig.from_hf_dict(hf_config.to_dict())
 
 
 def register_auto_config() -> None:

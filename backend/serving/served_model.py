@@ -23,10 +23,9 @@ from torch import Tensor, nn
 
 from cedar.kernels.dispatch import KernelSet
 
-from ..config import CEDConfig
-from ..memory import memory_report
+from ..memory import budget_bytes_per_token, memory_report
 from ..model import CEDModel
-from .hf_config import CedarHFConfig
+from .hf_config import CedarHFConfig, ced_config_of
 from .planner import RequestInfo, ServingFlags, plan_forward
 from .pool_keys import PoolKeys
 from .prepass import replay_prepass
@@ -156,14 +155,3 @@ class CedarForCausalLM(nn.Module):
         out = self.logits_processor(input_ids, hidden, self.lm_head, fb)
         out.customized_info = self.stats.meta_info(plan, self.slots)
         return out
-
-def ced_config_of(hf_config) -> CEDConfig:
-    return CEDConfig.from_hf_dict(hf_config.to_dict())
-
-
-def budget_bytes_per_token(cfg) -> int:
-    """What SGLang budgets per token slot: global + index rows of every source (/ ratio) and the
-    int32 token id replay reads, rounded up to whole bytes."""
-    import math
-
-    return math.ceil(memory_report(cfg).global_bytes_per_token + 4)

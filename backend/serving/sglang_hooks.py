@@ -61,7 +61,8 @@ def _cedar_model(model_runner):
 def cell_size(original, self, kvc, num_layers):
     if not _is_cedar(kvc.model_config.hf_config):
         return original(self, kvc, num_layers)
-    from .served_model import budget_bytes_per_token, ced_config_of
+    from ..memory import budget_bytes_per_token
+    from .hf_config import ced_config_of
 
     return budget_bytes_per_token(ced_config_of(kvc.model_config.hf_config))
 

@@ -16,7 +16,6 @@ META_KEYS = ("replayed_tokens", "restored_tokens")
 class ServingStats:
     def __init__(self) -> None:
         self.replayed_tokens = 0  # since start-up, all requests
-        self.forwards = 0
         self._counter = None
 
     def _prometheus(self):
@@ -29,7 +28,6 @@ class ServingStats:
 
     def record(self, plan) -> None:
         n = sum(r.replayed for r in plan.requests)
-        self.forwards += 1
         self.replayed_tokens += n
         counter = self._prometheus()
         if counter is not None and n:
