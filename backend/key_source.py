@@ -22,7 +22,7 @@ from torch import Tensor
 from .cache import SequenceCache
 from .compressor import Compressor
 from .kv_codec import KVCodec
-from .rows import DecoderRows, RowBatch
+from .rows import DecoderRows, RowBatch, cu_seqlens
 
 
 @dataclass(frozen=True)
@@ -68,10 +68,6 @@ def entry_positions(num: int, ratio: int) -> Tensor:
     return (torch.arange(num, dtype=torch.long) + 1) * ratio - 1
 
 
-def _cu(n: int) -> Tensor:
-    return torch.tensor([0, n], dtype=torch.int32)
-
-
 class WholeSequenceKeys(KeySource):
     """Cold, whole-sequence forward of one request: rows at positions 0..T-1, nothing cached."""
 
@@ -84,13 +80,13 @@ class WholeSequenceKeys(KeySource):
         kv, gate = comp.project(x[: G * comp.ratio])
         rows, index = comp.pool(kv, gate, torch.arange(G, dtype=torch.long) * comp.ratio)
         self.views[layer] = GlobalView(self.codec.roundtrip("global", rows), self.codec.roundtrip("index", index),
-                                       entry_positions(G, comp.ratio), _cu(G))
+                                       entry_positions(G, comp.ratio), cu_seqlens([G]))
 
     def global_view(self, source):
         return self.views[source]
 
     def window_keys(self, layer, kv, batch):
-        return WindowKeys(self.codec.roundtrip("window", kv), batch.pos, _cu(kv.shape[0]))
+        return WindowKeys(self.codec.roundtrip("window", kv), batch.pos, cu_seqlens([kv.shape[0]]))
 
     def decoder_rows(self, h, batch):
         return DecoderRows(h, batch, torch.arange(h.shape[0]))
@@ -157,7 +153,7 @@ class CachedKeys(KeySource):
         s = self.cache.sources[source]
         return GlobalView(self.codec.decode("global", s.rows, s.row_scales),
                           self.codec.decode("index", s.index_rows, s.index_scales),
-                          entry_positions(s.num_rows, s.ratio), _cu(s.num_rows))
+                          entry_positions(s.num_rows, s.ratio), cu_seqlens([s.num_rows]))
 
     def window_keys(self, layer, kv, batch):
         ring = self.cache.rings[layer]
@@ -168,7 +164,7 @@ class CachedKeys(KeySource):
                           self.codec.decode("window", codes, scales)])
         key_pos = torch.cat([ring.pos[old], batch.pos])
         ring.store(codes, scales, batch.pos)
-        return WindowKeys(keys, key_pos, _cu(keys.shape[0]))
+        return WindowKeys(keys, key_pos, cu_seqlens([keys.shape[0]]))
 
     def decoder_rows(self, h, batch):
         if self.plan.skip_decoder:

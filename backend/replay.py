@@ -68,10 +68,8 @@ def prefill(model: CEDModel, cache: SequenceCache, prompt: Tensor, span: ReplayS
 
 
 def decode(model: CEDModel, cache: SequenceCache, token: int) -> Tensor:
-    """One decode step (never trimmed) -> logits (vocab,) f32."""
-    plan = ExtendPlan(window_floor=cache.window_floor, write_floor=cache.seq_len, narrow=True)
-    res = model.extend(cache, torch.tensor([token]), cache.seq_len, plan)
-    return res.logits[-1]
+    """One decode step (one row: never trimmed) -> logits (vocab,) f32."""
+    return continue_prefill(model, cache, torch.tensor([token])).logits[-1]
 
 
 def greedy(model: CEDModel, cache: SequenceCache, first_logits: Tensor, num_tokens: int) -> list[int]:

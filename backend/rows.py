@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
+
+
+def cu_seqlens(lens) -> Tensor:
+    """(B,) counts -> (B + 1,) int32 offsets: request b owns rows cu[b]:cu[b + 1]."""
+    return torch.tensor([0, *torch.tensor(list(lens), dtype=torch.long).cumsum(0).tolist()], dtype=torch.int32)
 
 
 @dataclass(frozen=True)
@@ -21,9 +27,9 @@ class RowBatch:
     def num_rows(self) -> int:
         return int(self.pos.shape[0])
 
-    @property
+    @cached_property  # NOTE: read by every layer of a forward
     def cu(self) -> Tensor:  # (B + 1,) int32
-        return torch.tensor([0, *torch.tensor(self.lens).cumsum(0).tolist()], dtype=torch.int32)
+        return cu_seqlens(self.lens)
 
     def bounds(self, b: int) -> tuple[int, int]:
         s = sum(self.lens[:b])

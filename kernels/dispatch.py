@@ -10,6 +10,7 @@ constructor) and calls ``kernels.op_name(...)``. Tests and benchmarks pass ``bac
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass, field
 from typing import Callable
@@ -55,6 +56,7 @@ def default_backend(device: str) -> str:
     return "triton" if str(device).startswith("cuda") else "torch"
 
 
+@functools.cache  # NOTE: every layer of every forward looks ops up through KernelSet
 def resolve(op: str, backend: str) -> Callable:
     """Import and return the implementation of ``op`` for ``backend`` (raises on unknown names)."""
     if op not in OPS:

@@ -107,8 +107,8 @@ def _decoder_mode(flags: ServingFlags, info: RequestInfo, decoder_pos: int, star
     return "tail"
 
 
-def _claim(cfg: CEDConfig, flags: ServingFlags, slots: RequestSlots, pools: TokenPools, slot: int, rid: str,
-           hit: int, token_slots: Tensor, snapshots: SnapshotStore | None) -> None:
+def claim_slot(cfg: CEDConfig, flags: ServingFlags, slots: RequestSlots, pools: TokenPools, slot: int,
+               rid: str, hit: int, token_slots: Tensor, snapshots: SnapshotStore | None) -> None:
     """Give a stale ``slot`` to ``rid``: restore a snapshot that continues exactly at the hit,
     else reset it for bounded replay from the replay start."""
     if hit and snapshots is not None and flags.snapshots and flags.replay != "off":
@@ -133,7 +133,7 @@ def plan_forward(cfg: CEDConfig, flags: ServingFlags, slots: RequestSlots, pools
         token_slots = req_to_token[slot, :seq_len].long()
         owner = slots.owners[slot]
         if not (owner.rid == rid and owner.next_pos == hit):  # else: a later chunk, a decode step
-            _claim(cfg, flags, slots, pools, slot, rid, hit, token_slots, snapshots)
+            claim_slot(cfg, flags, slots, pools, slot, rid, hit, token_slots, snapshots)
         owner = slots.owners[slot]
         start = owner.next_pos
         replay_ids = pools.token_ids[token_slots[start:hit]].long()

@@ -20,13 +20,9 @@ from ..compressor import Compressor
 from ..config import CEDConfig
 from ..key_source import GlobalView, KeySource, WindowKeys, entry_positions
 from ..kv_codec import KVCodec
-from ..rows import DecoderRows, RowBatch
+from ..rows import DecoderRows, RowBatch, cu_seqlens
 from .planner import ServedForward
 from .pools import RequestSlots, TokenPools
-
-
-def _cu(lens: list[int]) -> Tensor:
-    return torch.tensor([0, *torch.tensor(lens, dtype=torch.long).cumsum(0).tolist()], dtype=torch.int32)
 
 
 class PoolKeys(KeySource):
@@ -88,7 +84,7 @@ class PoolKeys(KeySource):
             self.views[source] = GlobalView(
                 self.codec.decode("global", src.rows[idx], src.row_scales[idx]),
                 self.codec.decode("index", src.index_rows[idx], src.index_scales[idx]),
-                torch.cat([entry_positions(n, r) for n in lens]), _cu(lens))
+                torch.cat([entry_positions(n, r) for n in lens]), cu_seqlens(lens))
         return self.views[source]
 
     # ------------------------------------------------------------------ window KV
@@ -115,7 +111,7 @@ class PoolKeys(KeySource):
             ring_p[req.slot, slot_idx] = batch.pos[last]
         D = kv.shape[1]
         return WindowKeys(torch.cat(keys) if keys else kv.new_zeros(0, D),
-                          torch.cat(key_pos) if key_pos else batch.pos[:0], _cu(lens))
+                          torch.cat(key_pos) if key_pos else batch.pos[:0], cu_seqlens(lens))
 
     def window_floor(self, layer: int) -> Tensor:
         return self.dec_floor if layer > self.cfg.decoder_start else self.enc_floor

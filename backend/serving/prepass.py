@@ -11,7 +11,7 @@ import dataclasses
 
 from torch import Tensor
 
-from .planner import RequestInfo, ServedForward, ServingFlags, _claim, plan_forward
+from .planner import RequestInfo, ServedForward, ServingFlags, claim_slot, plan_forward
 from .pool_keys import PoolKeys
 from .pools import RequestSlots, TokenPools
 from .snapshots import SnapshotStore
@@ -26,7 +26,7 @@ def replay_prepass(model, flags: ServingFlags, slots: RequestSlots, pools: Token
         owner = slots.owners[slot]
         if hit == 0 or (owner.rid == rid and owner.next_pos == hit):
             continue
-        _claim(cfg, flags, slots, pools, slot, rid, hit, req_to_token[slot, :hit].long(), snapshots)
+        claim_slot(cfg, flags, slots, pools, slot, rid, hit, req_to_token[slot, :hit].long(), snapshots)
         start = slots.owners[slot].next_pos
         if start == hit:  # a snapshot continued it exactly
             continue
