@@ -21,10 +21,7 @@ scheduler used for each group is read off the server log's ``Prefill batch`` lin
 from __future__ import annotations
 
 import http.client
-import json
 import os
-import platform
-import random
 import re
 import threading
 import time
@@ -36,27 +33,17 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from ..serving.sglang_hooks import REPLAY_SWITCH
+from .common import OUTPUT_LEN, Sample, fresh_ids, machine_info, save_report, set_switch, stream_body, stream_generate
 
 if TYPE_CHECKING:
     from ..serving.process import ServerProcess
 
 MODES = ("cold", "hit_in_forward", "hit_per_request", "hit_restored")
-FIRST_ID = 8  # token ids 0-7 are special
-OUTPUT_LEN = 2  # NOTE: >1 so the first streamed chunk is a first token, not the finished request
 # NOTE: P is first served as P + a private suffix, as a shared system prompt is in an agent
 # session: the finished request's window snapshot (exact continuation) is then keyed at its own
 # last few pages, beyond L, so later hits at L take bounded replay, the path under test.
 WARM_SUFFIX_LEN = 32
 PREFILL_LINE = re.compile(r"Prefill batch.*?#new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+)")
-
-
-def fresh_ids(seed: int, n: int, vocab_size: int) -> list[int]:
-    """n ids drawn from ``seed``; the first page (2 ids) spells the seed, so prompts of distinct
-    seeds (< (vocab_size - 8)^2) never share a cached page, not even by chance."""
-    span = vocab_size - FIRST_ID
-    rng = random.Random(seed)
-    head = [FIRST_ID + (seed // span) % span, FIRST_ID + seed % span]
-    return (head + [rng.randrange(FIRST_ID, vocab_size) for _ in range(n - 2)])[:n]
 
 
 @dataclass(frozen=True)
@@ -93,46 +80,6 @@ class HitsGrid:
                 "--stream-interval", "1")
 
 
-@dataclass(frozen=True)
-class Sample:
-    ttft_ms: float
-    cached_tokens: int
-    replayed_tokens: int
-    restored_tokens: int = 0
-
-
-def stream_generate(host: str, port: int, body: bytes) -> Sample:
-    """POST a streamed /generate; TTFT is measured to its first ``data:`` line."""
-    conn = http.client.HTTPConnection(host, port, timeout=600)
-    try:
-        t0 = time.perf_counter()
-        conn.request("POST", "/generate", body, {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"/generate returned {resp.status}: {resp.read()[:300]!r}")
-        ttft_s, last = None, None
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                continue
-            ttft_s = time.perf_counter() - t0 if ttft_s is None else ttft_s
-            last = json.loads(line[5:])
-            if "error" in last:
-                raise RuntimeError(f"/generate streamed an error: {last['error']}")
-    finally:
-        conn.close()
-    if last is None:
-        raise RuntimeError("/generate streamed no data line")
-    meta = last["meta_info"]
-    return Sample(ttft_s * 1e3, int(meta["cached_tokens"]), int(meta.get("replayed_tokens") or 0),
-                  int(meta.get("restored_tokens") or 0))
-
-
-def _body(ids: list[int]) -> bytes:
-    return json.dumps({"input_ids": ids, "stream": True, "sampling_params": {
-        "max_new_tokens": OUTPUT_LEN, "temperature": 0, "ignore_eos": True}}).encode()
-
-
 class HitsRun:
     """One server: fresh seeds, the replay switch, concurrent groups and their prefill forwards."""
 
@@ -155,20 +102,14 @@ class HitsRun:
             conn.close()
 
     def set_per_request(self, on: bool) -> None:
-        self._switch(REPLAY_SWITCH, "replay_per_request", on)
+        set_switch(self.srv, REPLAY_SWITCH, on)
 
     def set_snapshots(self, on: bool) -> None:
-        self._switch("cedar_snapshots", "snapshots", on)
-
-    def _switch(self, key: str, flag: str, on: bool) -> None:
-        status, out = self.srv.post("/set_internal_state", {"server_args": {key: int(on)}})
-        flags = self.srv.cedar_state()["flags"]
-        if status != 200 or flags[flag] != on:
-            raise RuntimeError(f"switch {key} did not take: {status} {out} {flags}")
+        set_switch(self.srv, "cedar_snapshots", on)
 
     def group(self, prompts: list[list[int]]) -> tuple[list[Sample], list[int]]:
         """Send the prompts at once; return their samples and #new-seq of each prefill forward."""
-        bodies, gate = [_body(p) for p in prompts], threading.Barrier(len(prompts))
+        bodies, gate = [stream_body(p) for p in prompts], threading.Barrier(len(prompts))
         start = self.srv.log_path.stat().st_size
 
         def one(body: bytes) -> Sample:
@@ -258,13 +199,6 @@ def plot_hits(table: list[dict], png: Path) -> None:
     fig.savefig(png, dpi=120)
 
 
-def _machine() -> dict:
-    import torch
-
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "load_avg_1_5_15_at_start": list(os.getloadavg())}
-
-
 def _notes(grid: HitsGrid) -> list[str]:
     return [
         f"TTFT = time from sending a streamed /generate (stream: true) to its first data: line; "
@@ -320,7 +254,7 @@ def run_hits_benchmark(model_dir: str | Path, out_json: str | Path, plot_png: st
     grid = HitsGrid(tuple(prefixes), tuple(new_tokens), tuple(concurrency), repeats)
     cfg = CEDConfig.load(Path(model_dir))
     serve = ServeConfig(model=str(model_dir), port=free_port(), extra=grid.server_flags())
-    report = {"machine": _machine(), "sglang_version": sglang.__version__,
+    report = {"machine": machine_info(), "sglang_version": sglang.__version__,
               "model": {"dir": str(model_dir), "name": cfg.name, "layers": cfg.num_hidden_layers,
                         "window": cfg.sliding_window, "vocab_size": cfg.vocab_size, "page_size": cfg.page_size},
               "grid": {"prefix_lens": grid.prefix_lens, "new_token_lens": grid.new_token_lens,
@@ -342,9 +276,5 @@ def run_hits_benchmark(model_dir: str | Path, out_json: str | Path, plot_png: st
     report["wall_s"] = round(time.perf_counter() - t0, 1)
     report["machine"]["load_avg_1_5_15_at_end"] = list(os.getloadavg())
     report["num_mismatches"] = sum(len(r["mismatches"]) for r in report["table"])
-    Path(out_json).parent.mkdir(parents=True, exist_ok=True)
-    Path(out_json).write_text(json.dumps(report, indent=1) + "\n")
-    if plot_png:
-        Path(plot_png).parent.mkdir(parents=True, exist_ok=True)
-        plot_hits(report["table"], Path(plot_png))
+    save_report(report, out_json, plot_png, plot_hits)
     return report

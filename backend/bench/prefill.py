@@ -9,36 +9,24 @@ a shared CPU falls on both alike; every prompt is fresh (nothing cached), one re
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import numpy as np
 
 from .flops import flop_estimate, narrowing_speedup_bound
-from .hits import _machine, fresh_ids, stream_generate
+from .common import fresh_ids, machine_info, save_report, set_switch, stream_body, stream_generate
 
 MODES = ("narrow_on", "narrow_off")
-
-
-def _body(ids: list[int]) -> bytes:
-    return json.dumps({"input_ids": ids, "stream": True, "sampling_params": {
-        "max_new_tokens": 2, "temperature": 0, "ignore_eos": True}}).encode()
-
-
-def _switch(srv, on: bool) -> None:
-    status, out = srv.post("/set_internal_state", {"server_args": {"cedar_narrow": int(on)}})
-    if status != 200 or srv.cedar_state()["flags"]["narrow"] != on:
-        raise RuntimeError(f"narrowing switch did not take: {status} {out}")
 
 
 def measure(srv, prompt_len: int, repeats: int, vocab_size: int, seed0: int) -> dict:
     ttft = {m: [] for m in MODES}
     for rep in range(repeats):
         for i, mode in enumerate(MODES):
-            _switch(srv, mode == "narrow_on")
+            set_switch(srv, "cedar_narrow", mode == "narrow_on")
             ids = fresh_ids(seed0 + 2 * rep + i, prompt_len, vocab_size)
-            sample = stream_generate(srv.cfg.host, srv.cfg.port, _body(ids))
+            sample = stream_generate(srv.cfg.host, srv.cfg.port, stream_body(ids))
             if sample.cached_tokens:
                 raise RuntimeError(f"a fresh prompt hit the cache ({sample.cached_tokens} tokens)")
             ttft[mode].append(sample.ttft_ms)
@@ -87,7 +75,7 @@ def run_prefill_benchmark(model_dir, out_json, plot_png=None, prompt_lens=(512, 
              "--max-prefill-tokens", str(longest), "--max-total-tokens", str(4 * longest * (repeats + 1)),
              "--stream-interval", "1")
     serve = ServeConfig(model=str(model_dir), port=free_port(), extra=flags)
-    report = {"machine": _machine(), "sglang_version": sglang.__version__,
+    report = {"machine": machine_info(), "sglang_version": sglang.__version__,
               "model": {"dir": str(model_dir), "name": cfg.name, "layers": cfg.num_hidden_layers,
                         "decoder_start": cfg.decoder_start, "window": cfg.sliding_window},
               "server_flags": serve.argv()[3:], "repeats": repeats, "table": [],
@@ -100,7 +88,7 @@ def run_prefill_benchmark(model_dir, out_json, plot_png=None, prompt_lens=(512, 
                         "twins' top-k sorts and masks cost more than their FLOPs, so measured speedups can exceed it."]}
     t0 = time.perf_counter()
     with ServerProcess(serve, log_path=Path(f"/tmp/cedar-bench-prefill-{serve.port}.log")) as srv:
-        stream_generate(srv.cfg.host, srv.cfg.port, _body(fresh_ids(1, 64, cfg.vocab_size)))  # warm-up
+        stream_generate(srv.cfg.host, srv.cfg.port, stream_body(fresh_ids(1, 64, cfg.vocab_size)))  # warm-up
         for i, P in enumerate(prompt_lens):
             row = measure(srv, P, repeats, cfg.vocab_size, seed0=1000 * (i + 1))
             row["upper_bound"] = round(narrowing_speedup_bound(cfg, P), 3)
@@ -110,11 +98,7 @@ def run_prefill_benchmark(model_dir, out_json, plot_png=None, prompt_lens=(512, 
                   f"off {row['narrow_off']['median_ms']} / {row['narrow_off']['p90_ms']} ms, "
                   f"speedup x{row['speedup_median']} (upper bound x{row['upper_bound']}, FLOP estimate "
                   f"x{row['flop_estimate']})", flush=True)
-        _switch(srv, True)
+        set_switch(srv, "cedar_narrow", True)
     report["wall_s"] = round(time.perf_counter() - t0, 1)
-    Path(out_json).parent.mkdir(parents=True, exist_ok=True)
-    Path(out_json).write_text(json.dumps(report, indent=1) + "\n")
-    if plot_png:
-        Path(plot_png).parent.mkdir(parents=True, exist_ok=True)
-        plot(report["table"], Path(plot_png))
+    save_report(report, out_json, plot_png, plot)
     return report
