@@ -78,12 +78,12 @@ def _cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
 
     from .demo import ensure_model
     from .serving.launch import ServeConfig
+    from .serving.planner import ServingFlags
 
     ensure_model(Path(args.model))
-    cfg = ServeConfig(model=args.model, host=args.host, port=args.port, replay=args.replay,
-                      narrow=not args.no_narrow, replay_per_request=args.replay_per_request,
-                      snapshot_mb=args.snapshot_mb,
-                      extra=tuple(extra))
+    flags = ServingFlags(replay=args.replay, narrow=not args.no_narrow,
+                         replay_per_request=args.replay_per_request, snapshot_mb=args.snapshot_mb)
+    cfg = ServeConfig(model=args.model, host=args.host, port=args.port, flags=flags, extra=tuple(extra))
     argv = cfg.argv()
     print("cedar serve:", " ".join(argv), flush=True)
     os.execve(argv[0], argv, cfg.env())
@@ -117,18 +117,17 @@ def _cmd_bench_prefill(args: argparse.Namespace) -> int:
 def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks against the real SGLang server")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
-    s = kinds.add_parser("hits", help="TTFT of cold requests vs prefix-cache hits (replay in-forward vs per request)")
-    s.add_argument("--json", required=True, help="write the report here")
-    s.add_argument("--plot", default=None, help="also write a PNG bar chart here")
-    s.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
-    s.add_argument("--quick", action="store_true", help="prefixes 256,1024; 16 new tokens; C 1,8; 2 repeats")
-    s.set_defaults(fn=_cmd_bench_hits)
-    s = kinds.add_parser("prefill", help="TTFT of cold prefills with decoder narrowing on vs off (+ FLOP bound)")
-    s.add_argument("--json", required=True, help="write the report here")
-    s.add_argument("--plot", default=None, help="also write a PNG bar chart here")
-    s.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
-    s.add_argument("--quick", action="store_true", help="prompts 512, 2048; 2 repeats")
-    s.set_defaults(fn=_cmd_bench_prefill)
+    for name, fn, help_, quick in (
+            ("hits", _cmd_bench_hits, "TTFT of cold requests vs prefix-cache hits (replay in-forward, per "
+             "request, restored snapshot)", "prefixes 256,1024; 16 new tokens; C 1,8; 2 repeats"),
+            ("prefill", _cmd_bench_prefill, "TTFT of cold prefills with decoder narrowing on vs off (+ analytic bound)",
+             "prompts 512, 2048; 2 repeats")):
+        s = kinds.add_parser(name, help=help_)
+        s.add_argument("--json", required=True, help="write the report here")
+        s.add_argument("--plot", default=None, help="also write a PNG bar chart here")
+        s.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
+        s.add_argument("--quick", action="store_true", help=quick)
+        s.set_defaults(fn=fn)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,10 +3,13 @@ the environment, in one place (the CLI, the demo, the tests and the benchmarks a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
 from dataclasses import dataclass, field
+
+from .planner import ServingFlags
 
 CPU_DEFAULTS = {
     "--device": "cpu",
@@ -17,6 +20,7 @@ CPU_DEFAULTS = {
     "--chunked-prefill-size": "2048",
     "--mem-fraction-static": "0.5",
 }
+GPU_CHOOSES = {"--device", "--attention-backend", "--dtype"}  # left to SGLang where CUDA runs
 
 
 @dataclass(frozen=True)
@@ -24,10 +28,7 @@ class ServeConfig:
     model: str
     host: str = "127.0.0.1"
     port: int = 30000
-    replay: str = "bounded"  # bounded | exact | off
-    narrow: bool = True
-    replay_per_request: bool = False
-    snapshot_mb: float = 64.0
+    flags: ServingFlags = field(default_factory=ServingFlags)  # travel in the HF config
     extra: tuple[str, ...] = field(default_factory=tuple)  # further SGLang server flags
 
     def argv(self) -> list[str]:
@@ -36,18 +37,12 @@ class ServeConfig:
         page = CEDConfig.load(self.model).page_size
         args = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model,
                 "--host", self.host, "--port", str(self.port), "--page-size", str(page),
-                "--json-model-override-args", json.dumps({"cedar_serving": {
-                    "replay": self.replay, "narrow": self.narrow,
-                    "replay_per_request": self.replay_per_request, "snapshot_mb": self.snapshot_mb}})]
-        given = set(self.extra)
-        for flag, value in CPU_DEFAULTS.items():
-            if flag not in given and not any(e.startswith(flag + "=") for e in self.extra):
-                if flag == "--device" and _has_cuda():
-                    continue
-                if flag in ("--device", "--attention-backend", "--dtype") and _has_cuda():
-                    continue
-                args += [flag, value]
-        if self.replay == "off" and "--disable-radix-cache" not in given:
+                "--json-model-override-args",
+                json.dumps({"cedar_serving": dataclasses.asdict(self.flags)})]
+        given = {e.split("=", 1)[0] for e in self.extra}
+        skip = GPU_CHOOSES if _has_cuda() else set()
+        args += [a for flag, value in CPU_DEFAULTS.items() if flag not in given | skip for a in (flag, value)]
+        if self.flags.replay == "off" and "--disable-radix-cache" not in given:
             args.append("--disable-radix-cache")
         return args + list(self.extra)
 

@@ -14,6 +14,7 @@ its per-token budget is Cedar's true bytes per token (the cell-size hook in
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from typing import Iterable
@@ -39,8 +40,7 @@ logger = logging.getLogger(__name__)
 def flags_from_config(hf_config) -> ServingFlags:
     """Serving flags travel in the HF config (``--json-model-override-args``), not env vars."""
     raw = dict(getattr(hf_config, "cedar_serving", None) or {})
-    fields = ("replay", "narrow", "replay_per_request", "snapshot_mb", "snapshots")
-    return ServingFlags(**{k: raw[k] for k in fields if k in raw})
+    return ServingFlags(**{f.name: raw[f.name] for f in dataclasses.fields(ServingFlags) if f.name in raw})
 
 
 class CedarForCausalLM(nn.Module):
