@@ -12,6 +12,8 @@ compressor's own.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 
@@ -48,3 +50,36 @@ class Compressor(nn.Module):
         entry_pos = first_pos + (r - 1)
         rows = apply_rope(self.kv_norm(pooled), entry_pos, self.rope_dim, self.rope_theta)
         return rows, self.index_norm(self.wk_index(pooled))
+
+
+@dataclass(frozen=True)
+class GroupSplit:
+    """One request's projected rows cut into the compression groups a forward writes."""
+
+    kv: Tensor  # (n * r, latent) f32 rows of the n groups to write
+    gate: Tensor | None  # (n * r, latent) f32, None at r = 1
+    first_pos: Tensor  # (n,) int64 start position of each group to write
+    skipped_first_pos: Tensor  # (m,) int64 complete groups below the write floor (left as cached)
+    tail_kv: Tensor  # (< r, latent) rows of the incomplete last group, kept pending
+    tail_gate: Tensor | None
+
+
+def split_groups(kv: Tensor, gate: Tensor | None, tail_kv: Tensor, tail_gate: Tensor | None, first_pos: int,
+                 ratio: int, write_floor: int) -> GroupSplit:
+    """Prepend the pending tail (rows before ``first_pos``) to a request's new rows and cut them
+    into complete groups of ``ratio``. NOTE: the write floor keeps a shared prefix bit-identical:
+    a group ending below it is not written (a group straddling it is).
+
+    kv, gate: (T, latent) f32 rows at positions [first_pos, first_pos + T)."""
+    t = tail_kv.shape[0]
+    kv = torch.cat([tail_kv, kv])
+    gate = torch.cat([tail_gate, gate]) if gate is not None else None
+    start = first_pos - t
+    if start % ratio:
+        raise ValueError(f"compressor rows start at {start}, not a multiple of the ratio {ratio}")
+    done = kv.shape[0] // ratio * ratio
+    firsts = start + ratio * torch.arange(done // ratio, dtype=torch.long)
+    keep = firsts + (ratio - 1) >= write_floor
+    sel = keep.repeat_interleave(ratio)
+    return GroupSplit(kv[:done][sel], gate[:done][sel] if gate is not None else None, firsts[keep], firsts[~keep],
+                      kv[done:], gate[done:] if gate is not None else None)

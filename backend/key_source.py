@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .cache import SequenceCache
-from .compressor import Compressor
+from .compressor import Compressor, split_groups
 from .kv_codec import KVCodec
 from .rows import DecoderRows, RowBatch, cu_seqlens
 
@@ -124,29 +124,18 @@ class CachedKeys(KeySource):
     def write_global(self, layer, comp, x, batch):
         store, r = self.cache.sources[layer], comp.ratio
         kv, gate = comp.project(x)
-        kv = torch.cat([store.tail_kv, kv])
-        gate = torch.cat([store.tail_gate, gate]) if gate is not None else None
-        first = int(batch.pos[0]) - store.tail_kv.shape[0]  # position of the first pending row
-        if first % r:
-            raise ValueError(f"layer {layer}: compressor tail starts at {first}, not a multiple of {r}")
-        G = kv.shape[0] // r
-        done = G * r
-        store.tail_kv = kv[done:].clone()
-        store.tail_gate = gate[done:].clone() if gate is not None else store.tail_kv[:0]
-        groups = torch.arange(first // r, first // r + G, dtype=torch.long)
-        # NOTE: the write floor keeps the shared prefix bit-identical: rows of groups that end
-        # below it are read from the cache, never recomputed or rewritten.
-        keep = (groups + 1) * r - 1 >= self.plan.write_floor
-        if (~keep).any() and int(groups[~keep].max()) >= store.num_rows:
+        split = split_groups(kv, gate, store.tail_kv, store.tail_gate if gate is not None else None,
+                             int(batch.pos[0]), r, self.plan.write_floor)
+        store.tail_kv = split.tail_kv.clone()
+        store.tail_gate = split.tail_gate.clone() if gate is not None else store.tail_kv[:0]
+        if split.skipped_first_pos.numel() and int(split.skipped_first_pos.max()) // r >= store.num_rows:
             raise ValueError(f"layer {layer}: replayed group below the write floor is not cached")
-        if not keep.any():
+        if not split.first_pos.numel():
             return
-        if int(groups[keep][0]) != store.num_rows:
-            raise ValueError(f"layer {layer}: writing group {int(groups[keep][0])} but the store "
+        if int(split.first_pos[0]) // r != store.num_rows:
+            raise ValueError(f"layer {layer}: writing group {int(split.first_pos[0]) // r} but the store "
                              f"holds {store.num_rows} rows")
-        sel = keep.repeat_interleave(r)
-        rows, index = comp.pool(kv[:done][sel], gate[:done][sel] if gate is not None else None,
-                                groups[keep] * r)
+        rows, index = comp.pool(split.kv, split.gate, split.first_pos)
         store.append(*self.codec.encode("global", rows), *self.codec.encode("index", index))
 
     def global_view(self, source):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..compressor import Compressor
+from ..compressor import Compressor, split_groups
 from ..config import CEDConfig
 from ..key_source import GlobalView, KeySource, WindowKeys, entry_positions
 from ..kv_codec import KVCodec
@@ -38,32 +38,24 @@ class PoolKeys(KeySource):
         r, src = comp.ratio, self.pools.sources[layer]
         kv, gate = comp.project(x)  # (T, D) f32 each
         seg_kv, seg_gate, firsts, rows = [], [], [], []
+        empty = kv[:0]
         for b, req in enumerate(self.plan.requests):
             s, e = batch.bounds(b)
-            kb, gb, first = kv[s:e], (gate[s:e] if gate is not None else None), req.row_start
+            t = int(self.slots.tail_len[layer][req.slot]) if r > 1 else 0
+            split = split_groups(kv[s:e], gate[s:e] if gate is not None else None,
+                                 self.slots.tail_kv[layer][req.slot, :t] if r > 1 else empty,
+                                 self.slots.tail_gate[layer][req.slot, :t] if r > 1 else None,
+                                 req.row_start, r, req.prefix_len)  # the write floor is the prefix
             if r > 1:
-                t = int(self.slots.tail_len[layer][req.slot])
-                kb = torch.cat([self.slots.tail_kv[layer][req.slot, :t], kb])
-                gb = torch.cat([self.slots.tail_gate[layer][req.slot, :t], gb])
-                first -= t
-            if first % r:
-                raise ValueError(f"layer {layer}: request {req.rid} has a compressor tail at {first}")
-            G = kb.shape[0] // r
-            if r > 1:
-                rest = kb.shape[0] - G * r
-                self.slots.tail_kv[layer][req.slot, :rest] = kb[G * r:]
-                self.slots.tail_gate[layer][req.slot, :rest] = gb[G * r:]
+                rest = split.tail_kv.shape[0]
+                self.slots.tail_kv[layer][req.slot, :rest] = split.tail_kv
+                self.slots.tail_gate[layer][req.slot, :rest] = split.tail_gate
                 self.slots.tail_len[layer][req.slot] = rest
-            group_first = first + r * torch.arange(G, dtype=torch.long)
-            # NOTE: the write floor: groups ending below the prefix stay as the tree shares them.
-            keep = group_first + (r - 1) >= req.prefix_len
-            if not keep.any():
-                continue
-            sel = keep.repeat_interleave(r)
-            seg_kv.append(kb[: G * r][sel])
-            seg_gate.append(gb[: G * r][sel] if gb is not None else None)
-            firsts.append(group_first[keep])
-            rows.append(req.token_slots[group_first[keep]] // r)
+            if split.first_pos.numel():
+                seg_kv.append(split.kv)
+                seg_gate.append(split.gate)
+                firsts.append(split.first_pos)
+                rows.append(req.token_slots[split.first_pos] // r)
         if rows:
             pooled, index = comp.pool(torch.cat(seg_kv), torch.cat(seg_gate) if gate is not None else None,
                                       torch.cat(firsts))

@@ -19,6 +19,7 @@ Each hook is a no-op for models other than Cedar's.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from ..config import MODEL_TYPE
@@ -133,8 +134,6 @@ def before_validate(self, obj, input_ids, *args, **kwargs):
 
 
 def after_state(output, self, recv_req):
-    import dataclasses
-
     model = _cedar_model(self.scheduler.tp_worker.model_runner)
     if model is not None:
         from .integrity import pool_integrity
@@ -151,7 +150,6 @@ def after_handlers(handlers, self):
     model = _cedar_model(self.scheduler.tp_worker.model_runner)
     if model is None:
         return handlers
-    import dataclasses
 
     def validate(key, value):
         if value not in (0, 1):
