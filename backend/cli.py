@@ -4,8 +4,11 @@
   memory      print the cache byte accounting of a geometry (JSON with --json)
   generate    greedy generation through the pure-torch reference path
   serve       serve a model with SGLang's own HTTP server (extra flags go to SGLang)
-  demo        serve the shipped model, send it requests (a repeated prefix among them), stop
+  serve-demo  serve the shipped model, send it raw requests (a repeated prefix among them), stop
   bench       benchmarks against the real server (``cedar bench hits``: TTFT of prefix-cache hits)
+
+Commands of the layers above (``cedar agent run``, ``cedar demo``) come in through the
+``cedar.commands`` entry point group: each entry is a function that adds its subparsers.
 """
 
 from __future__ import annotations
@@ -166,13 +169,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory for exact-continuation snapshots of finished requests' window state (0: off)")
     s.set_defaults(fn=_cmd_serve, passthrough=True)
 
-    s = sub.add_parser("demo", help="the main job: serve the shipped model and send it requests (what `make demo` runs)")
+    s = sub.add_parser("serve-demo", help="serve the shipped model and send it raw requests (cache counters)")
     s.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
     s.add_argument("--max-new-tokens", type=int, default=8)
     s.set_defaults(fn=_cmd_demo)
 
     _add_bench(sub)
+    _add_plugins(sub)
     return p
+
+
+def _add_plugins(sub) -> None:
+    """Subcommands registered by installed packages (``cedar.commands`` entry points)."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="cedar.commands"):
+        ep.load()(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

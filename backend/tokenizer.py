@@ -12,8 +12,9 @@ Contract of a tokenizer directory written by `build_tokenizer` (loadable by
 - `tokenizer_config.json`: `eos_token` is `<|end|>` (what ends an assistant turn); generation must
   stop on `<|end|>` *and* `<|eos|>`, see `generation_eos_token_ids` for the list a model config or
   `generation_config.json` should carry.
-- Chat template (`CHAT_TEMPLATE`): `<|bos|>` then `{role marker}{content}<|end|>` per message;
-  `add_generation_prompt` appends `<|assistant|>`.
+- Chat template (`chat_template.CHAT_TEMPLATE`): `<|bos|>` then `{role marker}{content}<|end|>` per
+  message, tools and tool calls in SGLang's `hermes` markup; `add_generation_prompt` appends
+  `<|assistant|>`.
 
 Building is deterministic: two builds with the same arguments write byte-identical files.
 """
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from .chat_template import CHAT_TEMPLATE
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 END = "<|end|>"
@@ -35,19 +38,6 @@ ROLE_MARKERS = {
 SPECIAL_TOKENS = (BOS, EOS, PAD, *ROLE_MARKERS.values(), END)
 
 MODEL_MAX_LENGTH = 8192
-
-CHAT_TEMPLATE = (
-    "{%- set markers = {'system': '<|system|>', 'user': '<|user|>', "
-    "'assistant': '<|assistant|>', 'tool': '<|tool|>'} -%}"
-    "{{- '<|bos|>' -}}"
-    "{%- for message in messages -%}"
-    "{%- if message['role'] not in markers -%}"
-    "{{- raise_exception('unknown chat role: ' + message['role']) -}}"
-    "{%- endif -%}"
-    "{{- markers[message['role']] + (message['content'] or '') + '<|end|>' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}"
-)
 
 
 def build_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:

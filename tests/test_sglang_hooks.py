@@ -8,7 +8,7 @@ import pkgutil
 
 import pytest
 
-from cedar.backend.serving import sglang_hooks
+from cedar.backend.serving import sglang_hooks, tool_call_hooks
 
 # target -> the parameters the hook relies on (in order, after self/cls)
 EXPECTED_PARAMS = {
@@ -21,6 +21,15 @@ EXPECTED_PARAMS = {
     "state": ["self", "recv_req"],
     "handlers": ["self"],
 }
+TOOL_CALL_PARAMS = {
+    "structural_tag": ["self", "key_string"],
+    "json": ["self", "key_string"],
+    "effective_tools": ["self", "request"],
+}
+ALL_TARGETS = {**{("serving", k): v for k, v in sglang_hooks.TARGETS.items()},
+               **{("tool_call", k): v for k, v in tool_call_hooks.TARGETS.items()}}
+ALL_PARAMS = {**{("serving", k): v for k, v in EXPECTED_PARAMS.items()},
+              **{("tool_call", k): v for k, v in TOOL_CALL_PARAMS.items()}}
 
 
 def test_sglang_version_is_the_pinned_one():
@@ -28,20 +37,20 @@ def test_sglang_version_is_the_pinned_one():
         "SGLang changed: re-check every hook target in cedar/backend/serving/sglang_hooks.py")
 
 
-@pytest.mark.parametrize("name", sorted(sglang_hooks.TARGETS))
+@pytest.mark.parametrize("name", sorted(ALL_TARGETS))
 def test_hook_targets_exist_with_expected_signature(name):
-    target = sglang_hooks.TARGETS[name]
+    target = ALL_TARGETS[name]
     owner_path, attr = target.rsplit(".", 1)
     owner = pkgutil.resolve_name(owner_path)
     raw = inspect.getattr_static(owner, attr)
     fn = raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw
     fn = inspect.unwrap(fn)
     params = list(inspect.signature(fn).parameters)
-    assert params[: len(EXPECTED_PARAMS[name])] == EXPECTED_PARAMS[name], (target, params)
+    assert params[: len(ALL_PARAMS[name])] == ALL_PARAMS[name], (target, params)
 
 
 def test_every_target_is_tested():
-    assert set(EXPECTED_PARAMS) == set(sglang_hooks.TARGETS)
+    assert set(ALL_PARAMS) == set(ALL_TARGETS)
 
 
 def test_install_refuses_another_version(monkeypatch):

@@ -86,13 +86,13 @@ def test_specials_inside_text(hf_tokenizer):
 def test_chat_template(hf_tokenizer):
     messages = [
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": '<tool_call>{"name": "get_weather"}</tool_call>'},
+        {"role": "assistant", "content": '<tool_call>{"name":"get_weather", "arguments":{}}</tool_call>'},
         {"role": "tool", "content": '{"temp": 21}'},
     ]
     text = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert text == (
         "<|bos|><|user|>Weather in Paris?<|end|>"
-        '<|assistant|><tool_call>{"name": "get_weather"}</tool_call><|end|>'
+        '<|assistant|><tool_call>{"name":"get_weather", "arguments":{}}</tool_call><|end|>'
         '<|tool|>{"temp": 21}<|end|><|assistant|>'
     )
     without_prompt = hf_tokenizer.apply_chat_template(messages, tokenize=False)

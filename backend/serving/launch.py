@@ -9,6 +9,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from ..chat_template import TOOL_CALL_PARSER
 from .planner import ServingFlags
 
 CPU_DEFAULTS = {
@@ -20,6 +21,14 @@ CPU_DEFAULTS = {
     "--chunked-prefill-size": "2048",
     "--mem-fraction-static": "0.5",
 }
+# Tool calling and constrained output, on every device (the agents rely on them):
+# NOTE: without the whitespace flag a weak model spends a constrained call's whole budget on
+# free JSON whitespace (xgrammar and llguidance honour it; outlines has its own pattern flag).
+TOOL_DEFAULTS = {"--tool-call-parser": TOOL_CALL_PARSER}
+TOOL_SWITCHES = ("--constrained-json-disable-any-whitespace",)
+# SGLang's SGLANG_TOOL_STRICT_LEVEL=2 (PARAMETER): `required` and named calls are constrained by
+# the function's JSON schema, not only by the call's tags (level 0 leaves arguments free).
+TOOL_ENV = {"SGLANG_TOOL_STRICT_LEVEL": "2"}
 GPU_CHOOSES = {"--device", "--attention-backend", "--dtype"}  # left to SGLang where CUDA runs
 
 
@@ -42,12 +51,15 @@ class ServeConfig:
         given = {e.split("=", 1)[0] for e in self.extra}
         skip = GPU_CHOOSES if _has_cuda() else set()
         args += [a for flag, value in CPU_DEFAULTS.items() if flag not in given | skip for a in (flag, value)]
+        args += [a for flag, value in TOOL_DEFAULTS.items() if flag not in given for a in (flag, value)]
+        args += [flag for flag in TOOL_SWITCHES if flag not in given]
         if self.flags.replay == "off" and "--disable-radix-cache" not in given:
             args.append("--disable-radix-cache")
         return args + list(self.extra)
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
+        env = {**TOOL_ENV, **env}  # the caller's environment wins
         env.update(CEDAR_SGLANG_PLUGIN="1", SGLANG_EXTERNAL_MODEL_PACKAGE="cedar.backend.sglang_models")
         if not _has_cuda():
             env["SGLANG_USE_CPU_ENGINE"] = "1"

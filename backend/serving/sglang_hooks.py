@@ -15,6 +15,8 @@ Each hook is a no-op for models other than Cedar's.
   with a 400 (SGLang does not check ids; an out-of-range id would crash the scheduler) |
 | SchedulerInternalStateController.get_internal_state / _update_handlers | expose pools and
   integrity under /get_server_info; let /set_internal_state flip the replay benchmark switch |
+
+Tool-calling fixes (any model) live in ``tool_call_hooks.py``, installed from here.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import dataclasses
 import logging
 
 from ..config import MODEL_TYPE
+from . import tool_call_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -183,3 +186,4 @@ def install() -> None:
     HookRegistry.register(TARGETS["release"], before_release, HookType.BEFORE)
     HookRegistry.register(TARGETS["state"], after_state, HookType.AFTER)
     HookRegistry.register(TARGETS["handlers"], after_handlers, HookType.AFTER)
+    tool_call_hooks.install()

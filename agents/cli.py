@@ -1,0 +1,79 @@
+"""`cedar agent run NAME ...` and `cedar demo`, registered into the `cedar` command through the
+`cedar.commands` entry point (so `cedar.backend` never imports `cedar.agents`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from cedar.frontend.server import DEFAULT_MODEL_DIR, connect
+from cedar.frontend.session import format_table
+
+
+def print_transcript(result: dict, out=sys.stdout) -> None:
+    sessions = [result["session"]] if "session" in result else []
+    while sessions:
+        sess = sessions.pop(0)
+        print(f"== {sess['agent']}", file=out)
+        for i, st in enumerate(sess["steps"]):
+            print(f"  [{i}] thought: {st['thought']!r}", file=out)
+            print(f"      call: {st['tool']}({st['arguments']})", file=out)
+            print(f"      -> {'' if st['ok'] else '(failed) '}{st['observation'][:160]!r}", file=out)
+        print(f"  answer: {sess['answer']!r}", file=out)
+        sessions += sess.get("children", [])
+    if "scores" in result:
+        sc = result["scores"]
+        print(f"function calling: {sc['calls_ok']}/{sc['calls']} calls right, {sc['tasks_ok']}/{sc['tasks']} tasks",
+              file=out)
+        for name, calls in sc["per_task"].items():
+            for c in calls:
+                print(f"  {name} turn {c['turn']} call {c['index']}: {c['got_name']}({c['got_arguments']}) "
+                      f"{'right' if c['ok'] else 'wrong'}", file=out)
+    from cedar.frontend.endpoint import RequestRecord
+
+    print(format_table([RequestRecord(**r) for r in result["records"]]), file=out)
+    reuse = result["reuse"]
+    print(f"prompt tokens cached: {reuse['cached_share']:.1%}; continuations restored from a snapshot: "
+          f"{reuse['snapshot_continued']}/{reuse['continuations']} ({reuse['snapshot_share']:.1%})", file=out)
+
+
+def _cmd_agent_run(args: argparse.Namespace) -> int:
+    from .runs import load_task, run_agent
+
+    task = load_task(args.name, args.task)
+    with connect(url=args.server, model=None if args.server else args.model) as backend:
+        result = run_agent(args.name, backend, task)
+    print_transcript(result)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(Path(args.model))
+
+
+def register(sub) -> None:
+    """Add `agent` and `demo` to the `cedar` command's subparsers."""
+    from .runs import AGENTS
+
+    agent = sub.add_parser("agent", help="run Cedar's agent programs against a server")
+    verbs = agent.add_subparsers(dest="agent_command", required=True)
+    run = verbs.add_parser("run", help="run one agent and print its transcript with per-request cache figures")
+    run.add_argument("name", choices=sorted(AGENTS))
+    where = run.add_mutually_exclusive_group()
+    where.add_argument("--server", default=None, help="URL of a running `cedar serve` (default: start one)")
+    where.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="model folder for the server it starts")
+    run.add_argument("--task", default=None, help="task file (function-calling: a task list; others: one JSON object)")
+    run.add_argument("--json", default=None, help="also write the whole result here")
+    run.set_defaults(fn=_cmd_agent_run)
+
+    demo = sub.add_parser("demo", help="the main job: serve the shipped model and run an agent session on it")
+    demo.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
+    demo.set_defaults(fn=_cmd_demo)

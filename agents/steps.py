@@ -1,0 +1,54 @@
+"""The step every Cedar agent takes: one assistant message with a short thought and one
+constrained tool call, then the tool's result as a tool message.
+
+    <|assistant|>Thought: {thought}\n<tool_call>{"name":"NAME", "arguments":{...}}</tool_call><|end|>
+    <|tool|>{observation}<|end|>
+
+The thought is a bounded regex gen (printable ASCII without '<', at most THOUGHT_CHARS), so it
+cannot open a tool call and ends inside its token budget; it ends where its grammar ends, so its
+tokens are carried forward exactly (see `cedar.frontend.endpoint`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import sglang as sgl
+from pydantic import Field
+
+from cedar.frontend.calls import Call, gen_call, observe
+from cedar.frontend.session import Step
+from cedar.frontend.tools import ToolRegistry
+
+THOUGHT_CHARS = 60
+THOUGHT_REGEX = "[ -;=-~]{1,%d}" % THOUGHT_CHARS  # printable ASCII without '<'
+
+
+def step(s, registry: ToolRegistry, var: str, names: list[str] | None = None, temperature: float = 0.0,
+         thought: str | None = None) -> tuple[Step, Call]:
+    """One thought + call + observation on `s`; `thought` given skips the thought gen."""
+    s += sgl.assistant_begin()
+    s += "Thought: "
+    if thought is None:
+        s += sgl.gen(f"{var}_thought", regex=THOUGHT_REGEX, max_tokens=THOUGHT_CHARS + 1, temperature=temperature)
+        thought = s[f"{var}_thought"]
+    else:
+        s += thought
+    s += "\n"
+    call = gen_call(s, registry, var, names=names, temperature=temperature)
+    s += sgl.assistant_end()
+    obs = observe(s, registry, call)
+    return Step(thought, call.name, call.arguments, obs.text, obs.ok), call
+
+
+def finish_tool(registry: ToolRegistry) -> None:
+    """Add the `finish` tool every loop ends with: its argument is the final answer."""
+    def finish(answer: Annotated[str, Field(max_length=40)]) -> str:
+        """Give the final answer and stop.
+
+        Args:
+            answer: the final answer
+        """
+        return "done"
+
+    registry.add(finish)
