@@ -53,6 +53,36 @@ def _cmd_agent_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def reuse_table(results: dict[str, dict]) -> str:
+    head = f"{'agent':<17} {'steps':>5} {'requests':>8} {'cached share':>12} {'snapshot-continued':>18}"
+    lines = [head, "-" * len(head)]
+    for name, r in results.items():
+        reuse = r["reuse"]
+        steps = len(r["session"]["steps"]) + sum(len(c["steps"]) for c in r["session"]["children"]) \
+            if "session" in r else r["scores"]["calls"]
+        lines.append(f"{name:<17} {steps:>5} {reuse['requests']:>8} {reuse['cached_share']:>12.1%} "
+                     f"{reuse['snapshot_continued']:>7}/{reuse['continuations']:<3} {reuse['snapshot_share']:>6.1%}")
+    return "\n".join(lines)
+
+
+def _cmd_agent_reuse(args: argparse.Namespace) -> int:
+    """Every agent once, on one server, in order: the prefix-reuse figures per agent."""
+    from .runs import AGENTS, run_agent
+
+    results = {}
+    with connect(url=args.server, model=None if args.server else args.model) as backend:
+        for name in AGENTS:
+            results[name] = run_agent(name, backend)
+            print(f"[agent reuse] {name}: {results[name]['reuse']}", flush=True)
+    print(reuse_table(results))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({k: {"reuse": v["reuse"], "records": v["records"]}
+                                               for k, v in results.items()}, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -73,6 +103,13 @@ def register(sub) -> None:
     run.add_argument("--task", default=None, help="task file (function-calling: a task list; others: one JSON object)")
     run.add_argument("--json", default=None, help="also write the whole result here")
     run.set_defaults(fn=_cmd_agent_run)
+    reuse = verbs.add_parser("reuse", help="run every agent once on one server; print each one's cached share "
+                                           "and snapshot-continued share")
+    where = reuse.add_mutually_exclusive_group()
+    where.add_argument("--server", default=None, help="URL of a running `cedar serve` (default: start one)")
+    where.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="model folder for the server it starts")
+    reuse.add_argument("--json", default=None, help="also write the figures and per-request records here")
+    reuse.set_defaults(fn=_cmd_agent_reuse)
 
     demo = sub.add_parser("demo", help="the main job: serve the shipped model and run an agent session on it")
     demo.add_argument("--model", default=str(DEFAULT_MODEL_DIR))

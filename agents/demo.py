@@ -35,7 +35,8 @@ def run_demo(model_dir: Path) -> int:
         cedar = info["internal_states"][0]["cedar"]
         print(f"[demo] server budgets {cedar['budget_bytes_per_token']} B/token; tool-call parser "
               f"{info.get('tool_call_parser')}; grammar backend {info.get('grammar_backend')}")
-        print("[demo] the coding agent on a small task (a forked parallel step first, a subagent at turn 2):")
+        print("[demo] the coding agent on a small task (a forked parallel step first, a subagent at turn 2); "
+              "the shipped model has random weights, so its text is noise, but every call is well-formed:")
         result = run_agent("coding", backend)
         print_transcript(result)
         print(f"[demo] files after the session: {json.dumps(sorted(result['files_after']))}")

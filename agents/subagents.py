@@ -87,8 +87,14 @@ def fan_out(s, goal: str, subtasks: list, registry: ToolRegistry, child_steps: i
     s += sgl.system(system_text(PARENT_SYSTEM, parent_tools.openai_tools()))
     s += sgl.user(goal)
     backend = s.stream_executor.backend
+    children_tools = child_registry(registry)
+    if hasattr(backend, "prefill"):  # the children's common system message, once, before they run
+        from cedar.frontend.chat import CEDAR_TEMPLATE
+
+        pre, suf = CEDAR_TEMPLATE.role_prefix_and_suffix["system"]
+        backend.prefill(s.stream_executor, pre + system_text(CHILD_SYSTEM, children_tools.openai_tools()) + suf)
     states = subagent.run_batch(
-        [dict(task=t, registry=child_registry(registry), max_steps=child_steps, temperature=temperature,
+        [dict(task=t, registry=children_tools, max_steps=child_steps, temperature=temperature,
               name=f"{name}/child{i}") for i, t in enumerate(subtasks)], backend=backend)
     children = [st.ret_value for st in states]
     session.children = children

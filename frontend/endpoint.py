@@ -110,6 +110,12 @@ class CedarEndpoint(RuntimeEndpoint):
         """The prefill a `fork` sends before its branches (the shared prefix, no output)."""
         self._send(s, s.text_, {"sampling_params": {"max_new_tokens": 0}})
 
+    def prefill(self, s, text: str) -> None:
+        """Compute `text` once (no output), so that requests which start with it and run
+        concurrently hit it instead of each computing a copy (SGLang's radix tree keeps the first
+        copy; a snapshot over a duplicate's token slots can never be restored)."""
+        self._send(s, text, {"sampling_params": {"max_new_tokens": 0}})
+
     def _send(self, s, text: str, data: dict) -> dict:
         carried = 0
         if self.ledger is not None:

@@ -53,7 +53,7 @@ def wait_idle_and_check(server, timeout_s: float = 30.0) -> dict:
 @pytest.fixture(scope="session")
 def server(tiny_model_dir):
     """One real SGLang server with the CED model for the whole session (a child process)."""
-    srv = start_server(tiny_model_dir, "--context-length", "4096", "--enable-metrics")
+    srv = start_server(tiny_model_dir, "--context-length", "4096", "--enable-metrics", "--enable-cache-report")
     yield srv
     srv.stop()
 

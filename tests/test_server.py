@@ -237,6 +237,29 @@ def test_multi_turn_session_restores_its_snapshot_and_replays_nothing(checked_se
     assert checked_server.cedar_state()["snapshots"]["restored"] >= 1
 
 
+def test_concurrent_duplicate_prefixes_still_restore(checked_server, ref):
+    """Sessions that computed the same cold prefix at once: the tree keeps one copy and frees
+    the others' slots; every session's next turn still restores its snapshot (re-keyed to the
+    kept slots) and equals the reference continuing its own exact state."""
+    from cedar.backend.replay import continue_prefill
+
+    base = prompt(200, 31)
+    firsts = [base + prompt(11, 40 + i) for i in range(3)]  # odd length: the last page is partial
+    with cf.ThreadPoolExecutor(3) as pool:
+        outs = list(pool.map(lambda p: generate(checked_server, p, n=5)[0], firsts))
+    news = [prompt(9, 50 + i) for i in range(3)]
+    with cf.ThreadPoolExecutor(3) as pool:
+        turns = list(pool.map(lambda i: generate(checked_server, firsts[i] + outs[i] + news[i], n=3), range(3)))
+    for i, (toks, lps, meta) in enumerate(turns):
+        assert meta["replayed_tokens"] == 0 and meta["restored_tokens"] == meta["cached_tokens"] >= 210, meta
+        cache = new_cache(ref.cfg, True)
+        res = prefill(ref, cache, torch.tensor(firsts[i]), replay_span(0, W))
+        assert greedy(ref, cache, res.logits[-1], 5) == outs[i]
+        res2 = continue_prefill(ref, cache, torch.tensor([outs[i][-1]] + news[i]))
+        assert toks == greedy(ref, cache, res2.logits[-1], 3)
+        assert abs(lps[0] - float(torch.log_softmax(res2.logits[-1], -1)[toks[0]])) <= LOGPROB_ATOL
+
+
 def switch(server, **values):
     status, out = server.post("/set_internal_state", {"server_args": values})
     assert status == 200 and out == [True], out  # one scheduler accepted the update

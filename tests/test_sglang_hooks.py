@@ -18,6 +18,7 @@ EXPECTED_PARAMS = {
     "meta_info": ["self", "meta_info", "state", "customized_info", "index", "finish_reason"],
     "validate": ["self", "obj", "input_ids"],
     "release": ["req", "tree_cache", "checkpoint"],
+    "checkpoint": ["self", "req", "up_to"],
     "state": ["self", "recv_req"],
     "handlers": ["self"],
 }

@@ -113,6 +113,22 @@ class CedarForCausalLM(nn.Module):
             return False
         return self.snapshots.save(self.slots, slot, self.slots.owners[slot].hasher)
 
+    def on_request_inserted(self, rid: str, tree_slots: Tensor) -> None:
+        """The tree took a finished request's prefix (tree_slots: (n,) the slots it kept, the
+        request's own or an earlier copy's): key its snapshot by those (see SnapshotStore.rekey)."""
+        if self.snapshots is None or self.pools is None:
+            return
+        from .prefix_digest import prefix_digest
+
+        slots = tree_slots.long()
+
+        def digest_at(boundary: int) -> str | None:
+            if boundary > slots.numel():
+                return None
+            return prefix_digest(slots[:boundary], self.pools.token_ids[slots[:boundary]])
+
+        self.snapshots.rekey(rid, digest_at)
+
     def _ensure_pools(self) -> None:
         if self.pools is None:  # the allocation hook did not run: fail loudly, never guess
             raise RuntimeError("cedar pools were not allocated: the SGLang plugin hooks are not active")

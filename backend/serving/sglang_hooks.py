@@ -11,6 +11,8 @@ Each hook is a no-op for models other than Cedar's.
 | ForwardBatch.init_new | carry per-request facts the model needs (last chunk, prompt logprobs) |
 | TokenizerManager.update_request_meta_info | report cumulative counters once, not per token |
 | mem_cache.common.release_kv_cache | snapshot a finished request's window state (exact continuation) |
+| UnifiedRadixCache.checkpoint_into_tree | re-key that snapshot by the token slots the tree kept (a
+  concurrent duplicate's slots are freed) |
 | TokenizerManager._validate_one_request | reject empty prompts and token ids outside the vocabulary
   with a 400 (SGLang does not check ids; an out-of-range id would crash the scheduler) |
 | SchedulerInternalStateController.get_internal_state / _update_handlers | expose pools and
@@ -38,6 +40,7 @@ TARGETS = {
     "meta_info": P + "managers.tokenizer_manager.TokenizerManager.update_request_meta_info",
     "validate": P + "managers.tokenizer_manager.TokenizerManager._validate_one_request",
     "release": P + "mem_cache.common.release_kv_cache",
+    "checkpoint": P + "mem_cache.unified_radix_cache.UnifiedRadixCache.checkpoint_into_tree",
     "state": P + "managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state",
     "handlers": P + "managers.scheduler_components.internal_state.SchedulerInternalStateController._update_handlers",
 }
@@ -113,6 +116,14 @@ def before_release(req, tree_cache, *args, checkpoint: bool = False, **kwargs):
     return None
 
 
+def after_checkpoint(result, self, req, *args, **kwargs):
+    model = getattr(self.req_to_token_pool, "cedar_model", None)
+    if model is not None and req.finished() and req.kv.holds_kv:
+        kept = req.kv.cache_protected_len
+        model.on_request_inserted(req.rid, self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :kept])
+    return None
+
+
 def around_meta_info(original, self, meta_info, state, customized_info, index, finish_reason):
     original(self, meta_info, state, customized_info, index, finish_reason)
     from .stats import META_KEYS
@@ -184,6 +195,7 @@ def install() -> None:
     HookRegistry.register(TARGETS["meta_info"], around_meta_info, HookType.AROUND)
     HookRegistry.register(TARGETS["validate"], before_validate, HookType.BEFORE)
     HookRegistry.register(TARGETS["release"], before_release, HookType.BEFORE)
+    HookRegistry.register(TARGETS["checkpoint"], after_checkpoint, HookType.AFTER)
     HookRegistry.register(TARGETS["state"], after_state, HookType.AFTER)
     HookRegistry.register(TARGETS["handlers"], after_handlers, HookType.AFTER)
     tool_call_hooks.install()

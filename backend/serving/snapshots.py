@@ -34,6 +34,7 @@ class SnapshotStore:
         self.used_bytes = 0
         self._by_key: dict[tuple[int, str], int] = {}  # (boundary position, digest) -> snapshot id
         self._snaps: OrderedDict[int, tuple[Snapshot, list[tuple[int, str]]]] = OrderedDict()
+        self._by_rid: dict[str, int] = {}  # the snapshot a finished request left, until re-keyed
         self._next_id = 0
         self.saved = self.restored = self.dropped = 0
 
@@ -56,9 +57,33 @@ class SnapshotStore:
         self._snaps[sid] = (snap, keys)
         for key in keys:
             self._by_key[key] = sid
+        self._by_rid[owner.rid] = sid
+        while len(self._by_rid) > 256:  # requests whose tree insert never came (aborted)
+            self._by_rid.pop(next(iter(self._by_rid)))
         self.used_bytes += nbytes
         self.saved += 1
         return True
+
+    def rekey(self, rid: str, digest_at) -> None:
+        """Key ``rid``'s snapshot by the token slots the radix tree kept for its prefix.
+
+        NOTE: when two requests computed the same tokens at the same positions concurrently, the
+        tree keeps the first copy and frees the other's slots, so the second request's next turn
+        hits over the first one's slots and its snapshot (keyed by its own slots) would never be
+        restored. ``digest_at(boundary)`` digests the tree's slots up to a boundary (None where
+        the tree kept less); keys over freed slots are dropped, so they can never match.
+        """
+        sid = self._by_rid.pop(rid, None)
+        if sid is None or sid not in self._snaps:
+            return
+        snap, keys = self._snaps[sid]
+        for key in keys:
+            if self._by_key.get(key) == sid:
+                del self._by_key[key]
+        new_keys = [(b, d) for b, d in ((b, digest_at(b)) for b, _ in keys) if d is not None]
+        for key in new_keys:
+            self._by_key[key] = sid
+        self._snaps[sid] = (snap, new_keys)
 
     def restore(self, slots: RequestSlots, slot: int, rid: str, hit: int, digest: str) -> bool:
         """If a snapshot continues exactly at ``hit`` over the same prefix, load it into ``slot``
