@@ -44,6 +44,7 @@ class RequestRecord:
     restored_tokens: int
     completion_tokens: int
     carried_tokens: int  # prompt ids taken from the ledger instead of re-tokenized
+    continues: bool  # the prompt extends an earlier request's prompt + output (a next turn)
     latency_s: float
 
     @property
@@ -56,23 +57,23 @@ class TokenLedger:
     """Known (text -> token ids) pairs, longest-prefix lookup; thread-safe, bounded LRU."""
 
     tokenizer: object
-    entries: dict[str, list[int]] = field(default_factory=dict)
+    entries: dict[str, tuple[list[int], bool]] = field(default_factory=dict)  # text -> (ids, is an output)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def encode(self, text: str) -> tuple[list[int], int]:
-        """(ids for `text`, how many of them came from the ledger)."""
+    def encode(self, text: str) -> tuple[list[int], int, bool]:
+        """(ids for `text`, how many came from the ledger, whether they end an earlier output)."""
         with self.lock:
             best = max((k for k in self.entries if text.startswith(k)), key=len, default="")
-            ids = list(self.entries[best]) if best else []
+            ids, is_output = self.entries[best] if best else ([], False)
             if best:
                 self.entries[best] = self.entries.pop(best)  # most recently used last
         rest = text[len(best):]
-        return ids + (self.tokenizer.encode(rest, add_special_tokens=False) if rest else []), len(ids)
+        return list(ids) + (self.tokenizer.encode(rest, add_special_tokens=False) if rest else []), len(ids), is_output
 
-    def record(self, text: str, ids: list[int]) -> None:
+    def record(self, text: str, ids: list[int], is_output: bool = False) -> None:
         with self.lock:
             self.entries.pop(text, None)
-            self.entries[text] = list(ids)
+            self.entries[text] = (list(ids), is_output)
             while len(self.entries) > LEDGER_ENTRIES:
                 self.entries.pop(next(iter(self.entries)))
 
@@ -117,9 +118,9 @@ class CedarEndpoint(RuntimeEndpoint):
         self._send(s, text, {"sampling_params": {"max_new_tokens": 0}})
 
     def _send(self, s, text: str, data: dict) -> dict:
-        carried = 0
+        carried, continues = 0, False
         if self.ledger is not None:
-            ids, carried = self.ledger.encode(text)
+            ids, carried, continues = self.ledger.encode(text)
             data = {**data, "input_ids": ids}
         else:
             data = {**data, "text": text}
@@ -131,7 +132,7 @@ class CedarEndpoint(RuntimeEndpoint):
         if self.ledger is not None:
             self.ledger.record(text, data["input_ids"])
             self._record_output(text, data["input_ids"], obj)
-        self._log(s, obj["meta_info"], carried, time.perf_counter() - t0)
+        self._log(s, obj["meta_info"], carried, continues, time.perf_counter() - t0)
         return obj
 
     def _record_output(self, text: str, prompt_ids: list[int], obj: dict) -> None:
@@ -142,16 +143,16 @@ class CedarEndpoint(RuntimeEndpoint):
         # NOTE: only when the ids spell exactly the returned text (a stop string trims the text,
         # not the ids): a wrong pair would make every later hit wrong
         if self.ledger.tokenizer.decode(out_ids, skip_special_tokens=True) == obj["text"]:
-            self.ledger.record(text + obj["text"], prompt_ids + out_ids)
+            self.ledger.record(text + obj["text"], prompt_ids + out_ids, is_output=bool(out_ids))
 
-    def _log(self, s, meta: dict, carried: int, latency_s: float) -> None:
+    def _log(self, s, meta: dict, carried: int, continues: bool, latency_s: float) -> None:
         rec = RequestRecord(label=getattr(s, "cedar_label", None) or s.sid[:8],
                             prompt_tokens=int(meta.get("prompt_tokens", 0)),
                             cached_tokens=int(meta.get("cached_tokens", 0)),
                             replayed_tokens=int(meta.get("replayed_tokens", 0) or 0),
                             restored_tokens=int(meta.get("restored_tokens", 0) or 0),
                             completion_tokens=int(meta.get("completion_tokens", 0)),
-                            carried_tokens=carried, latency_s=round(latency_s, 4))
+                            carried_tokens=carried, continues=continues, latency_s=round(latency_s, 4))
         with self._records_lock:
             self.records.append(rec)
 

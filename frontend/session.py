@@ -38,8 +38,9 @@ class Session:
 @dataclass(frozen=True)
 class ReuseFigures:
     """Prefix reuse over a list of requests: the share of prompt tokens served from the cache,
-    and the share of continuation requests (all but each label's first) that restored a
-    snapshot and replayed nothing."""
+    and the share of continuations (requests whose prompt extends an earlier request's prompt
+    and output, as the next turn of a session does) that restored a snapshot and replayed
+    nothing."""
 
     requests: int
     prompt_tokens: int
@@ -61,12 +62,9 @@ class ReuseFigures:
 
 
 def reuse_figures(records: list[RequestRecord]) -> ReuseFigures:
-    seen, continuations, restored = set(), 0, 0
-    for r in records:
-        if r.label in seen:
-            continuations += 1
-            restored += int(r.restored_tokens > 0 and r.replayed_tokens == 0)
-        seen.add(r.label)
+    nexts = [r for r in records if r.continues]
+    continuations = len(nexts)
+    restored = sum(r.restored_tokens > 0 and r.replayed_tokens == 0 for r in nexts)
     return ReuseFigures(len(records), sum(r.prompt_tokens for r in records),
                         sum(r.cached_tokens for r in records), continuations, restored)
 
