@@ -21,7 +21,7 @@ from cedar.frontend.session import Session
 
 from .parallel import parallel_step
 from .sandbox import Sandbox
-from .steps import finish_tool, step
+from .steps import finish_tool, run_until_finish
 from .subagents import delegate_tool
 
 SYSTEM = ("You are a coding agent working in a sandbox directory. Each turn, write one short thought "
@@ -53,12 +53,8 @@ def coding(s, instruction: str, box: Sandbox, max_turns: int = 8, parallel_hints
                                 temperature=temperature, name=f"{name}/fork"):
             session.add(st)
         turn = 1
-    for turn in range(turn, max_turns):
-        names = ["delegate"] if turn == delegate_at else None
-        done, call = step(s, registry, f"turn{turn}", names=names, temperature=temperature)
-        session.add(done)
-        if call.name == "finish":
-            session.answer = (call.parsed() or {}).get("answer")
-            break
+    forced = {delegate_at: ["delegate"]} if delegate_at is not None else None
+    run_until_finish(s, registry, session, range(turn, max_turns), var="turn", forced=forced,
+                     temperature=temperature)
     s.set_var("answer", session.answer or "")
     return session

@@ -19,7 +19,7 @@ from cedar.frontend.endpoint import label
 from cedar.frontend.session import Session
 from cedar.frontend.tools import ToolRegistry
 
-from .steps import finish_tool, step
+from .steps import finish_tool, run_until_finish
 
 SYSTEM = ("You answer questions about a fact base. Think step by step: each turn write one short "
           "thought and call one tool; call finish with the answer when you know it.")
@@ -82,11 +82,6 @@ def react(s, question: str, facts: dict, max_steps: int = 6, temperature: float 
     session = Session(name)
     s += sgl.system(system_text(SYSTEM, registry.openai_tools()))
     s += sgl.user(question)
-    for i in range(max_steps):
-        done, call = step(s, registry, f"step{i}", temperature=temperature)
-        session.add(done)
-        if call.name == "finish":
-            session.answer = (call.parsed() or {}).get("answer")
-            break
+    run_until_finish(s, registry, session, range(max_steps), temperature=temperature)
     s.set_var("answer", session.answer or "")
     return session

@@ -17,7 +17,7 @@ import sglang as sgl
 from pydantic import Field
 
 from cedar.frontend.calls import Call, gen_call, observe
-from cedar.frontend.session import Step
+from cedar.frontend.session import Session, Step
 from cedar.frontend.tools import ToolRegistry
 
 THOUGHT_CHARS = 60
@@ -39,6 +39,18 @@ def step(s, registry: ToolRegistry, var: str, names: list[str] | None = None, te
     s += sgl.assistant_end()
     obs = observe(s, registry, call)
     return Step(thought, call.name, call.arguments, obs.text, obs.ok), call
+
+
+def run_until_finish(s, registry: ToolRegistry, session: Session, turns: range, var: str = "step",
+                     forced: dict[int, list[str]] | None = None, temperature: float = 0.0) -> None:
+    """Take steps for each turn in `turns` until the model calls `finish`; its `answer` argument
+    becomes `session.answer`. `forced[turn]` limits that turn's choice of tools."""
+    for turn in turns:
+        done, call = step(s, registry, f"{var}{turn}", names=(forced or {}).get(turn), temperature=temperature)
+        session.add(done)
+        if call.name == "finish":
+            session.answer = (call.parsed() or {}).get("answer")
+            return
 
 
 def finish_tool(registry: ToolRegistry) -> None:

@@ -22,7 +22,7 @@ from cedar.frontend.endpoint import label
 from cedar.frontend.session import Session
 from cedar.frontend.tools import ToolRegistry
 
-from .steps import finish_tool, step
+from .steps import finish_tool, run_until_finish, step
 
 CHILD_SYSTEM = ("You are a subagent. You get one task and no other context. Use the tools, then call "
                 "finish with a short answer for the agent that sent you.")
@@ -38,12 +38,7 @@ def subagent(s, task: str, registry: ToolRegistry, max_steps: int = 3, temperatu
     session = Session(name)
     s += sgl.system(system_text(CHILD_SYSTEM, registry.openai_tools()))
     s += sgl.user(task)
-    for i in range(max_steps):
-        done, call = step(s, registry, f"step{i}", temperature=temperature)
-        session.add(done)
-        if call.name == "finish":
-            session.answer = (call.parsed() or {}).get("answer")
-            break
+    run_until_finish(s, registry, session, range(max_steps), temperature=temperature)
     return session
 
 

@@ -57,11 +57,23 @@ def gen_call(s, registry: ToolRegistry, var: str, names: list[str] | None = None
     else:
         s += sgl.gen(f"{var}_name", regex=name_regex(names), max_tokens=max(map(len, names)) + 1,
                      temperature=temperature)
-        name = s[f"{var}_name"]
+        name = _value(s, f"{var}_name")
     spec = registry[name]
     s += CALL_MID + sgl.gen(f"{var}_args", json_schema=json.dumps(spec.grammar_parameters),
                             max_tokens=spec.max_tokens, temperature=temperature) + CALL_TAIL
-    return Call(name, s[f"{var}_args"])
+    return Call(name, _value(s, f"{var}_args"))
+
+
+class ConstrainedCallError(RuntimeError):
+    """The server refused a constrained gen (e.g. a schema its grammar backend cannot compile)."""
+
+
+def _value(s, var: str) -> str:
+    try:
+        return s[var]
+    except KeyError:
+        error = getattr(s.stream_executor, "error_", None)
+        raise ConstrainedCallError(f"the constrained gen {var!r} failed: {error}") from None
 
 
 def observe(s, registry: ToolRegistry, call: Call) -> Observation:

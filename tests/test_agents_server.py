@@ -22,6 +22,7 @@ from cedar.agents.subagents import CHILD_SYSTEM, PARENT_SYSTEM, delegate_tool
 from cedar.frontend.chat import system_text
 from cedar.frontend.endpoint import CedarEndpoint, label
 from cedar.frontend.tools import ToolRegistry
+from test_tool_schemas import even
 
 pytestmark = pytest.mark.slow
 
@@ -106,12 +107,6 @@ def test_subagents_have_fresh_contexts(checked_server, backend):
         assert f"<|tool|>subagent {i} answer: {child['answer'] or '(no answer)'}<|end|>" in result["text"]
 
 
-def even(n: int) -> int:
-    if n % 2:
-        raise ValueError("n must be even")
-    return n
-
-
 def failing_tools() -> ToolRegistry:
     r = ToolRegistry()
 
@@ -156,7 +151,7 @@ def test_failing_tools_become_observations(checked_server, backend):
         n = json.loads(st.arguments)["n"]
         assert st.ok == (n % 2 == 0), st
         if n % 2:
-            assert "n must be even" in st.observation
+            assert "must be even" in st.observation
     assert state.text().count("<|tool|>") == 5  # every failure went back to the model
 
 

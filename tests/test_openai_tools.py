@@ -28,8 +28,8 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
 
 
-def complete(client, messages, choice, stream):
-    kw = dict(model="cedar", messages=messages, tools=TOOLS, tool_choice=choice, max_tokens=MAX_TOKENS, temperature=0)
+def complete(client, messages, choice, stream, max_tokens=MAX_TOKENS):
+    kw = dict(model="cedar", messages=messages, tools=TOOLS, tool_choice=choice, max_tokens=max_tokens, temperature=0)
     if not stream:
         r = client.chat.completions.create(**kw)
         m = r.choices[0].message
@@ -78,9 +78,9 @@ def test_forced_calls_validate_and_stream_exactly(checked_server, client, case):
 
 def test_auto_returns_content_or_valid_calls(checked_server, client):
     messages = [{"role": "user", "content": "Say hello, or call a tool if you must."}]
-    complete(client, messages, "auto", stream=False)
-    plain = complete(client, messages, "auto", stream=False)
-    streamed = complete(client, messages, "auto", stream=True)
+    complete(client, messages, "auto", stream=False, max_tokens=48)
+    plain = complete(client, messages, "auto", stream=False, max_tokens=48)
+    streamed = complete(client, messages, "auto", stream=True, max_tokens=48)
     for content, calls, _, _ in (plain, streamed):
         assert "<tool_call>" not in content
         for name, args in calls:
@@ -95,7 +95,7 @@ def test_bad_tool_requests_are_refused(checked_server, client):
                                        tool_choice={"type": "function", "function": {"name": "nope"}})
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="cedar", messages=messages, tool_choice="required", max_tokens=8)
-    assert complete(client, messages, "auto", stream=False)[2] in ("stop", "length")  # still serving
+    assert complete(client, messages, "auto", stream=False, max_tokens=8)[2] in ("stop", "length")  # still serving
 
 
 def test_call_sent_back_is_a_prefix_hit(checked_server, client):
