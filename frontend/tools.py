@@ -208,14 +208,13 @@ def bounded(annotation):
     base, metadata = annotation, []
     if typing.get_origin(annotation) is Annotated:
         base, *metadata = typing.get_args(annotation)
-    has = {k for m in metadata for k in ("max_length", "ge", "le", "gt", "lt") if getattr(_field_info(m), k, None) is not None}
+    has = _constraints(metadata)
     extra = []
-    origin = typing.get_origin(base)
     if base is str and "max_length" not in has:
         extra.append(annotated_types.MaxLen(DEFAULT_MAX_STR))
     elif base in (int, float) and not has & {"ge", "gt"}:
         extra += [annotated_types.Ge(DEFAULT_NUMBER_RANGE[0]), annotated_types.Le(DEFAULT_NUMBER_RANGE[1])]
-    elif origin is list:
+    elif typing.get_origin(base) is list:
         (item,) = typing.get_args(base) or (str,)
         base = list[bounded(item)]
         if "max_length" not in has:
@@ -227,14 +226,14 @@ def bounded(annotation):
     return Annotated[(base, *extra, *metadata)]
 
 
-def _field_info(m):
-    """pydantic keeps constraints either on a FieldInfo or in its `metadata` (annotated_types)."""
-    info = {}
-    for item in [m, *getattr(m, "metadata", [])]:
-        for k in ("max_length", "ge", "le", "gt", "lt"):
-            if getattr(item, k, None) is not None:
-                info[k] = getattr(item, k)
-    return type("Constraints", (), info)
+def _constraints(metadata: list) -> set[str]:
+    """The bound names set in `Annotated` metadata (a `Field(...)` keeps them in its own
+    `metadata`, annotated_types objects carry them as attributes)."""
+    names = set()
+    for m in metadata:
+        for item in [m, *getattr(m, "metadata", [])]:
+            names |= {k for k in ("max_length", "ge", "le", "gt", "lt") if getattr(item, k, None) is not None}
+    return names
 
 
 def _clean(schema: dict) -> dict:

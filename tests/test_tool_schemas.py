@@ -175,3 +175,14 @@ def test_forced_call_is_one_call_without_whitespace():
     assert not _tag_accepts(tag, "free text first" + call)
     auto = rewrite_legacy_tag({**LEGACY, "at_least_one": False}, any_whitespace=False)
     assert _tag_accepts(auto, "free text first" + call + " and after")
+
+
+def test_caller_bounds_are_kept():
+    r = ToolRegistry()
+
+    def f(a: Annotated[str, Field(max_length=5)], b: Annotated[int, Field(ge=0, le=9)], c: list[int] = []) -> str:
+        """F."""
+        return ""
+    props = r.add(f).parameters["properties"]
+    assert props["a"]["maxLength"] == 5 and (props["b"]["minimum"], props["b"]["maximum"]) == (0, 9)
+    assert props["c"]["maxItems"] == 4 and props["c"]["items"]["maximum"] == 1_000_000
