@@ -111,3 +111,21 @@ def test_call_sent_back_is_a_prefix_hit(checked_server, client):
     generated = usage1.prompt_tokens + usage1.completion_tokens - 1  # less the forced end token
     cached = usage2.prompt_tokens_details.cached_tokens
     assert cached >= generated - 2, (cached, generated)  # page size 2
+
+
+@pytest.mark.parametrize("params", [
+    {"type": "object", "properties": {"a": {"type": "strin"}}},
+    {"type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 1}}, "required": ["a"]},
+    {"type": "object", "properties": {"a": {"type": "string", "minLength": 5, "maxLength": 1}}, "required": ["a"]},
+    {"type": "object", "properties": {"a": {"type": "string", "pattern": "(["}}, "required": ["a"]},
+], ids=["bad type", "empty range", "empty length range", "bad pattern"])
+def test_invalid_tool_schemas_get_a_400(checked_server, client, params):
+    """Schemas SGLang's validation or the grammar (through Cedar's rewrite) cannot take."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model="cedar", messages=[{"role": "user", "content": "x"}], tools=tools,
+                                           tool_choice=choice, max_tokens=16)
+    status, out = checked_server.post("/generate", {"text": "x", "sampling_params": {
+        "max_new_tokens": 4, "json_schema": json.dumps({"type": "string", "minLength": 3, "maxLength": 1})}})
+    assert status == 400 and "json grammar" in out["error"]["message"]
