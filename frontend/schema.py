@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import json
 
-ASCII_CHAR = '[ !#-\\[\\]-~]'  # printable ASCII without '"' (0x22) and '\\' (0x5c)
+from cedar.backend.string_patterns import ASCII_CHAR, pattern_max_len, strings_as_patterns
+
 # NOTE: xgrammar prints a bounded number with at most this many fraction digits (seen on 0.2.7:
 # 123.456789012345 is refused in [-1000, 1000]); a generous figure keeps the bound safe.
 NUMBER_FRACTION_CHARS = 16
@@ -39,17 +40,8 @@ class UnboundedSchemaError(ValueError):
 
 
 def grammar_schema(schema: dict) -> dict:
-    """`schema` with every string restricted to bounded printable ASCII (see the module doc)."""
-    if isinstance(schema, list):
-        return [grammar_schema(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: grammar_schema(v) for k, v in schema.items()}
-    if out.get("type") == "string" and not {"enum", "const", "pattern", "format"} & out.keys():
-        lo, hi = int(out.pop("minLength", 0)), out.pop("maxLength", None)
-        if hi is not None:
-            out["pattern"] = f"^{ASCII_CHAR}{{{lo},{int(hi)}}}$"
-    return out
+    """`schema` with every bounded string restricted to printable ASCII (see the module doc)."""
+    return strings_as_patterns(schema, ASCII_CHAR)
 
 
 def with_default_bounds(schema: dict) -> dict:
@@ -111,10 +103,10 @@ def _json_len(value) -> int:
 def _string_chars(schema: dict, where: str) -> int:
     if "maxLength" in schema:
         return int(schema["maxLength"])
-    pattern = schema.get("pattern", "")
-    if pattern.startswith(f"^{ASCII_CHAR}{{") and pattern.endswith("}$"):
-        return int(pattern[len(ASCII_CHAR) + 2:-2].split(",")[-1])
-    raise UnboundedSchemaError(f"{where}: a string needs maxLength")
+    hi = pattern_max_len(schema.get("pattern", ""), ASCII_CHAR)
+    if hi is None:
+        raise UnboundedSchemaError(f"{where}: a string needs maxLength")
+    return hi
 
 
 def _number_chars(schema: dict, kind: str, where: str) -> int:

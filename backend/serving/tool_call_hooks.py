@@ -1,19 +1,17 @@
-"""Two fixes to SGLang 0.5.23's OpenAI tool calling, through its ``HookRegistry`` (installed by
-``sglang_hooks.install``, pinned to the same version and checked by ``tests/test_sglang_hooks.py``).
+"""Fixes to SGLang 0.5.23's constrained tool calling and to xgrammar 0.2.7's strings, through
+SGLang's ``HookRegistry`` (installed by ``sglang_hooks.install``, pinned to the same version and
+checked by ``tests/test_sglang_hooks.py``).
 
 | target | why |
 |---|---|
-| XGrammarGrammarBackend.dispatch_structural_tag | (1) a forced call (`required` / named) is one
-  call and nothing else, so generation ends with it (see `rewrite_legacy_tag`); (2)
-  `--constrained-json-disable-any-whitespace` reaches
-  `json_schema` requests but not the structural tags that constrain `tool_choice="required"` /
-  named calls (xgrammar compiles a tag's JSON schema with free whitespace and has no switch for
-  it): a weak model then fills its whole `max_tokens` with spaces inside the call and no call
-  comes back. With the flag set, each tag's schema is compiled to a whitespace-free grammar
-  (xgrammar's own `Grammar.from_json_schema(any_whitespace=False)`: `", "` and `": "` between
-  items, as `json.dumps` writes them) |
-| XGrammarGrammarBackend.dispatch_json | the same string fix (`close_string_gap`) for `json_schema`
-  requests (`sgl.gen(json_schema=...)`, `response_format`) |
+| XGrammarGrammarBackend.dispatch_structural_tag | the tags that constrain `tool_choice` required /
+  named calls (`rewrite_legacy_tag`): (1) a forced call is one call and nothing else, so
+  generation ends with it; (2) `--constrained-json-disable-any-whitespace` reaches `json_schema`
+  requests but not these tags (xgrammar compiles a tag's schema with free whitespace and has no
+  switch for it), so a weak model filled its whole `max_tokens` with spaces inside the call; with
+  the flag, each schema is compiled whitespace-free; (3) `close_string_gap` |
+| XGrammarGrammarBackend.dispatch_json | `close_string_gap` for `json_schema` requests
+  (`sgl.gen(json_schema=...)`, `response_format`) |
 | OpenAIServingChat._effective_tools | a named `tool_choice` must constrain (and parse) the named
   function only; 0.5.23 builds the call's grammar from every tool in the request, so a call to
   another function passes the grammar |
@@ -25,6 +23,8 @@ from __future__ import annotations
 
 import json
 
+from ..string_patterns import JSON_CHAR, strings_as_patterns
+
 P = "sglang.srt."
 TARGETS = {
     "structural_tag": P + "constrained.xgrammar_backend.XGrammarGrammarBackend.dispatch_structural_tag",
@@ -34,24 +34,14 @@ TARGETS = {
 
 
 def close_string_gap(schema):
-    """`schema` with a pattern added to every length-bounded string that has none.
+    """`schema` with every length-bounded string as a pattern of JSON's unescaped characters.
 
     NOTE: xgrammar 0.2.7 compiles a `maxLength` / `minLength` string to a rule that admits raw
     control characters (bytes 0x00-0x1f) and no escapes; JSON forbids the former, so a weak model's
     call then fails to parse (`Invalid control character`). The pattern is that rule's own language
     without the control characters. Returns a new object; the input is not changed.
     """
-    if isinstance(schema, list):
-        return [close_string_gap(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: close_string_gap(v) for k, v in schema.items()}
-    bounded = "maxLength" in out or "minLength" in out
-    if out.get("type") == "string" and bounded and not {"pattern", "format", "enum", "const"} & out.keys():
-        # NOTE: xgrammar takes a pattern or length bounds, not both: the pattern carries both
-        lo, hi = int(out.pop("minLength", 0)), out.pop("maxLength", None)
-        out["pattern"] = "^[^\\x00-\\x1f\"\\\\]{%d,%s}$" % (lo, "" if hi is None else int(hi))
-    return out
+    return strings_as_patterns(schema, JSON_CHAR)
 
 
 def rewrite_legacy_tag(legacy: dict, any_whitespace: bool) -> dict:
