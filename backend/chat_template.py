@@ -31,6 +31,11 @@ import json
 
 TOOL_CALL_BEGIN, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 TOOL_CALL_PARSER = "hermes"  # SGLang's parser that reads this markup
+# a call is CALL_HEAD + name + CALL_MID + arguments JSON + CALL_TAIL (the hermes structural tag's
+# begin is CALL_HEAD + name + CALL_MID, its end CALL_TAIL)
+CALL_HEAD = TOOL_CALL_BEGIN + '{"name":"'
+CALL_MID = '", "arguments":'
+CALL_TAIL = "}" + TOOL_CALL_END
 
 TOOLS_PREAMBLE = ("# Tools\n\nYou may call one or more functions. Their signatures, as JSON schemas, "
                   "within <tools></tools>:\n<tools>")
@@ -54,7 +59,7 @@ def system_text(system: str | None, tools: list[dict] | None) -> str:
 def tool_call_text(name: str, arguments: dict | str) -> str:
     """One call in the assistant's markup; `arguments` as a dict or as its JSON text."""
     args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return f'{TOOL_CALL_BEGIN}{{"name":"{name}", "arguments":{args}}}{TOOL_CALL_END}'
+    return CALL_HEAD + name + CALL_MID + args + CALL_TAIL
 
 
 def _jinja_str(text: str) -> str:
@@ -88,7 +93,8 @@ CHAT_TEMPLATE = (
     "{%- for call in message['tool_calls'] -%}"
     "{%- set f = call['function'] if call['function'] is defined else call -%}"
     "{%- set args = f['arguments'] if f['arguments'] is string else (f['arguments'] | tojson) -%}"
-    "{{- '<tool_call>{\"name\":\"' + f['name'] + '\", \"arguments\":' + args + '}</tool_call>' -}}"
+    "{{- " + _jinja_str(CALL_HEAD) + " + f['name'] + " + _jinja_str(CALL_MID) + " + args + "
+    + _jinja_str(CALL_TAIL) + " -}}"
     "{%- endfor -%}"
     "{%- endif -%}"
     "{{- '<|end|>' -}}"

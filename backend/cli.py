@@ -70,7 +70,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
+def _cmd_serve_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     return run_demo(Path(args.model), args.max_new_tokens)
@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve-demo", help="serve the shipped model and send it raw requests (cache counters)")
     s.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
     s.add_argument("--max-new-tokens", type=int, default=8)
-    s.set_defaults(fn=_cmd_demo)
+    s.set_defaults(fn=_cmd_serve_demo)
 
     _add_bench(sub)
     _add_plugins(sub)

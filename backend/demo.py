@@ -1,5 +1,7 @@
-"""``make demo``: serve the shipped model with SGLang and send it a few requests, a repeated
-prefix among them, printing each answer with its cached / replayed token counts."""
+"""``cedar serve-demo``: serve the shipped model with SGLang and send it a few raw requests, a
+repeated prefix among them, printing each answer with its cached / replayed token counts (the
+agent demo that ``make demo`` runs is ``cedar.agents.demo``). ``ensure_model`` builds the
+random-init model where it is missing."""
 
 from __future__ import annotations
 

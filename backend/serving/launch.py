@@ -52,18 +52,17 @@ class ServeConfig:
                 "--json-model-override-args",
                 json.dumps({"cedar_serving": dataclasses.asdict(self.flags)})]
         given = {e.split("=", 1)[0] for e in self.extra}
-        skip = GPU_CHOOSES if _has_cuda() else set()
-        args += [a for flag, value in CPU_DEFAULTS.items() if flag not in given | skip for a in (flag, value)]
-        args += [a for flag, value in TOOL_DEFAULTS.items() if flag not in given for a in (flag, value)]
-        args += [flag for flag in TOOL_SWITCHES if flag not in given]
-        args += [flag for flag in CPU_SWITCHES if flag not in given and not _has_cuda()]
+        cuda = _has_cuda()
+        valued = {**{f: v for f, v in CPU_DEFAULTS.items() if not (cuda and f in GPU_CHOOSES)}, **TOOL_DEFAULTS}
+        switches = TOOL_SWITCHES + (() if cuda else CPU_SWITCHES)
+        args += [a for flag, value in valued.items() if flag not in given for a in (flag, value)]
+        args += [flag for flag in switches if flag not in given]
         if self.flags.replay == "off" and "--disable-radix-cache" not in given:
             args.append("--disable-radix-cache")
         return args + list(self.extra)
 
     def env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env = {**TOOL_ENV, **env}  # the caller's environment wins
+        env = {**TOOL_ENV, **os.environ}  # the caller's environment wins
         env.update(CEDAR_SGLANG_PLUGIN="1", SGLANG_EXTERNAL_MODEL_PACKAGE="cedar.backend.sglang_models")
         if not _has_cuda():
             env["SGLANG_USE_CPU_ENGINE"] = "1"

@@ -116,18 +116,8 @@ class CedarForCausalLM(nn.Module):
     def on_request_inserted(self, rid: str, tree_slots: Tensor) -> None:
         """The tree took a finished request's prefix (tree_slots: (n,) the slots it kept, the
         request's own or an earlier copy's): key its snapshot by those (see SnapshotStore.rekey)."""
-        if self.snapshots is None or self.pools is None:
-            return
-        from .prefix_digest import prefix_digest
-
-        slots = tree_slots.long()
-
-        def digest_at(boundary: int) -> str | None:
-            if boundary > slots.numel():
-                return None
-            return prefix_digest(slots[:boundary], self.pools.token_ids[slots[:boundary]])
-
-        self.snapshots.rekey(rid, digest_at)
+        if self.snapshots is not None and self.pools is not None:
+            self.snapshots.rekey(rid, tree_slots, self.pools.token_ids)
 
     def _ensure_pools(self) -> None:
         if self.pools is None:  # the allocation hook did not run: fail loudly, never guess

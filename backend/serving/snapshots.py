@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from .prefix_digest import PrefixHasher
+from .prefix_digest import PrefixHasher, prefix_digest
 from .pools import RequestSlots, SlotOwner
 
 
@@ -64,14 +64,17 @@ class SnapshotStore:
         self.saved += 1
         return True
 
-    def rekey(self, rid: str, digest_at) -> None:
+    def rekey(self, rid: str, tree_slots: Tensor, token_ids_of_slot: Tensor) -> None:
         """Key ``rid``'s snapshot by the token slots the radix tree kept for its prefix.
+
+        tree_slots: (n,) the slots the tree holds for the request's first n tokens (its own, or
+        an earlier copy's); token_ids_of_slot: the pool's token-id table.
 
         NOTE: when two requests computed the same tokens at the same positions concurrently, the
         tree keeps the first copy and frees the other's slots, so the second request's next turn
         hits over the first one's slots and its snapshot (keyed by its own slots) would never be
-        restored. ``digest_at(boundary)`` digests the tree's slots up to a boundary (None where
-        the tree kept less); keys over freed slots are dropped, so they can never match.
+        restored. Boundaries beyond what the tree kept are dropped, so keys over freed slots can
+        never match.
         """
         sid = self._by_rid.pop(rid, None)
         if sid is None or sid not in self._snaps:
@@ -80,7 +83,9 @@ class SnapshotStore:
         for key in keys:
             if self._by_key.get(key) == sid:
                 del self._by_key[key]
-        new_keys = [(b, d) for b, d in ((b, digest_at(b)) for b, _ in keys) if d is not None]
+        slots = tree_slots.long()
+        new_keys = [(b, prefix_digest(slots[:b], token_ids_of_slot[slots[:b]]))
+                    for b, _ in keys if b <= slots.numel()]
         for key in new_keys:
             self._by_key[key] = sid
         self._snaps[sid] = (snap, new_keys)
