@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from cedar.frontend.endpoint import RequestRecord
 from cedar.frontend.server import DEFAULT_MODEL_DIR, connect
 from cedar.frontend.session import format_table
 
@@ -31,8 +32,6 @@ def print_transcript(result: dict, out=sys.stdout) -> None:
             for c in calls:
                 print(f"  {name} turn {c['turn']} call {c['index']}: {c['got_name']}({c['got_arguments']}) "
                       f"{'right' if c['ok'] else 'wrong'}", file=out)
-    from cedar.frontend.endpoint import RequestRecord
-
     print(format_table([RequestRecord(**r) for r in result["records"]]), file=out)
     reuse = result["reuse"]
     print(f"prompt tokens cached: {reuse['cached_share']:.1%}; continuations restored from a snapshot: "
@@ -46,11 +45,15 @@ def _cmd_agent_run(args: argparse.Namespace) -> int:
     with connect(url=args.server, model=None if args.server else args.model) as backend:
         result = run_agent(args.name, backend, task)
     print_transcript(result)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.json}")
+    _write_json(args.json, result)
     return 0
+
+
+def _write_json(path: str | None, obj) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(obj, indent=1))
+        print(f"wrote {path}")
 
 
 def reuse_table(results: dict[str, dict]) -> str:
@@ -75,11 +78,7 @@ def _cmd_agent_reuse(args: argparse.Namespace) -> int:
             results[name] = run_agent(name, backend)
             print(f"[agent reuse] {name}: {results[name]['reuse']}", flush=True)
     print(reuse_table(results))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({k: {"reuse": v["reuse"], "records": v["records"]}
-                                               for k, v in results.items()}, indent=1))
-        print(f"wrote {args.json}")
+    _write_json(args.json, {k: {"reuse": v["reuse"], "records": v["records"]} for k, v in results.items()})
     return 0
 
 
@@ -87,6 +86,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     return run_demo(Path(args.model))
+
+
+def _add_server_choice(parser) -> None:
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--server", default=None, help="URL of a running `cedar serve` (default: start one)")
+    where.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="model folder for the server it starts")
 
 
 def register(sub) -> None:
@@ -97,17 +102,13 @@ def register(sub) -> None:
     verbs = agent.add_subparsers(dest="agent_command", required=True)
     run = verbs.add_parser("run", help="run one agent and print its transcript with per-request cache figures")
     run.add_argument("name", choices=sorted(AGENTS))
-    where = run.add_mutually_exclusive_group()
-    where.add_argument("--server", default=None, help="URL of a running `cedar serve` (default: start one)")
-    where.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="model folder for the server it starts")
+    _add_server_choice(run)
     run.add_argument("--task", default=None, help="task file (function-calling: a task list; others: one JSON object)")
     run.add_argument("--json", default=None, help="also write the whole result here")
     run.set_defaults(fn=_cmd_agent_run)
     reuse = verbs.add_parser("reuse", help="run every agent once on one server; print each one's cached share "
                                            "and snapshot-continued share")
-    where = reuse.add_mutually_exclusive_group()
-    where.add_argument("--server", default=None, help="URL of a running `cedar serve` (default: start one)")
-    where.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="model folder for the server it starts")
+    _add_server_choice(reuse)
     reuse.add_argument("--json", default=None, help="also write the figures and per-request records here")
     reuse.set_defaults(fn=_cmd_agent_reuse)
 

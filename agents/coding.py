@@ -47,14 +47,12 @@ def coding(s, instruction: str, box: Sandbox, max_turns: int = 8, parallel_hints
     finish_tool(registry)
     s += sgl.system(system_text(SYSTEM, registry.openai_tools()))
     s += sgl.user(instruction)
-    turn = 0
-    if parallel_hints:
+    if parallel_hints:  # turn 0
         for st in parallel_step(s, registry, "explore", list(parallel_hints), names=["list_dir", "read_file", "grep"],
                                 temperature=temperature, name=f"{name}/fork"):
             session.add(st)
-        turn = 1
     forced = {delegate_at: ["delegate"]} if delegate_at is not None else None
-    run_until_finish(s, registry, session, range(turn, max_turns), var="turn", forced=forced,
+    run_until_finish(s, registry, session, range(1 if parallel_hints else 0, max_turns), var="turn", forced=forced,
                      temperature=temperature)
     s.set_var("answer", session.answer or "")
     return session

@@ -16,14 +16,15 @@ from cedar.frontend.endpoint import label
 from cedar.frontend.session import Session, Step
 from cedar.frontend.tools import ToolRegistry
 
-from .steps import step
+from .steps import final_answer
 
 
 def parallel_step(s, registry: ToolRegistry, var: str, hints: list[str], names: list[str] | None = None,
                   temperature: float = 0.0, name: str = "fork") -> list[Step]:
     """Fork `len(hints)` branches (branch i's thought is hints[i]), one call each, then join."""
+    thought = "in parallel: " + "; ".join(hints)
     s += sgl.assistant_begin()
-    s += "Thought: in parallel: " + "; ".join(hints) + "\n"
+    s += "Thought: " + thought + "\n"
     # NOTE: SGLang prefills the shared prefix once before the branches only if the text is there
     # when `fork` looks (it checks before syncing the executor): sync first
     s.stream_executor.sync()
@@ -42,7 +43,6 @@ def parallel_step(s, registry: ToolRegistry, var: str, hints: list[str], names: 
     s += sgl.assistant_end()
     for obs in results:
         s += tool(obs.text)
-    thought = "in parallel: " + "; ".join(hints)
     return [Step(thought, c.name, c.arguments, o.text, o.ok) for c, o in zip(calls, results)]
 
 
@@ -57,7 +57,5 @@ def parallel(s, question: str, hints: list, registry: ToolRegistry, temperature:
     for st in parallel_step(s, registry, "par", hints, names=[n for n in registry.names() if n != "finish"],
                             temperature=temperature, name=name + "/fork"):
         session.add(st)
-    done, call = step(s, registry, "final", names=["finish"], temperature=temperature)
-    session.add(done)
-    session.answer = (call.parsed() or {}).get("answer")
+    final_answer(s, registry, session, temperature)
     return session

@@ -51,9 +51,8 @@ def run_parallel(backend, task: dict | None) -> dict:
 def run_subagents(backend, task: dict | None) -> dict:
     task = task or {"goal": react_mod.EXAMPLE_QUESTION, "facts": react_mod.EXAMPLE_FACTS,
                     "subtasks": ["find the capital of France", "find the length of the Seine"]}
-    registry = react_mod.react_tools(task["facts"])
-    registry.tools.pop("finish")
-    state = fan_out.run(goal=task["goal"], subtasks=task["subtasks"], registry=registry, backend=backend)
+    state = fan_out.run(goal=task["goal"], subtasks=task["subtasks"], registry=react_mod.react_tools(task["facts"]),
+                        backend=backend)
     return {"session": state.ret_value.to_json(), "text": state.text(), "child_texts": state["child_texts"]}
 
 

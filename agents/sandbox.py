@@ -202,11 +202,9 @@ class Sandbox:
             return f"killed: the snippet ran past its {self.snippet_timeout_s:g} s limit"
         return f"exit {proc.returncode}\n{out[-800:]}{err[-800:]}"
 
-    def tools(self, extra: ToolRegistry | None = None) -> ToolRegistry:
+    def tools(self) -> ToolRegistry:
         registry = ToolRegistry()
         for fn in (self.list_dir, self.read_file, self.grep, self.write_file, self.edit_file):
             registry.add(fn)
         registry.add(self.run_python, timeout_s=self.snippet_timeout_s + 5)
-        for tool in (extra.tools.values() if extra else ()):
-            registry.tools[tool.name] = tool
         return registry

@@ -53,8 +53,15 @@ def run_until_finish(s, registry: ToolRegistry, session: Session, turns: range, 
             return
 
 
+def final_answer(s, registry: ToolRegistry, session: Session, temperature: float = 0.0) -> None:
+    """One last step whose call is `finish`: its answer becomes `session.answer`."""
+    run_until_finish(s, registry, session, range(1), var="final", forced={0: ["finish"]}, temperature=temperature)
+
+
 def finish_tool(registry: ToolRegistry) -> None:
-    """Add the `finish` tool every loop ends with: its argument is the final answer."""
+    """Add the `finish` tool every loop ends with (once): its argument is the final answer."""
+    if "finish" in registry.names():
+        return
     def finish(answer: Annotated[str, Field(max_length=40)]) -> str:
         """Give the final answer and stop.
 

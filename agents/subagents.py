@@ -17,12 +17,12 @@ from typing import Annotated
 import sglang as sgl
 from pydantic import Field
 
-from cedar.frontend.chat import system_text, tool
+from cedar.frontend.chat import message_text, system_text, tool
 from cedar.frontend.endpoint import label
 from cedar.frontend.session import Session
 from cedar.frontend.tools import ToolRegistry
 
-from .steps import finish_tool, run_until_finish, step
+from .steps import final_answer, finish_tool, run_until_finish
 
 CHILD_SYSTEM = ("You are a subagent. You get one task and no other context. Use the tools, then call "
                 "finish with a short answer for the agent that sent you.")
@@ -77,17 +77,14 @@ def fan_out(s, goal: str, subtasks: list, registry: ToolRegistry, child_steps: i
             temperature: float = 0.0, name: str = "parent"):
     label(s, name)
     session = Session(name)
-    parent_tools = registry.subset(list(registry.names()))
+    parent_tools = registry.subset(registry.names())
     finish_tool(parent_tools)
     s += sgl.system(system_text(PARENT_SYSTEM, parent_tools.openai_tools()))
     s += sgl.user(goal)
     backend = s.stream_executor.backend
     children_tools = child_registry(registry)
     if hasattr(backend, "prefill"):  # the children's common system message, once, before they run
-        from cedar.frontend.chat import CEDAR_TEMPLATE
-
-        pre, suf = CEDAR_TEMPLATE.role_prefix_and_suffix["system"]
-        backend.prefill(s.stream_executor, pre + system_text(CHILD_SYSTEM, children_tools.openai_tools()) + suf)
+        backend.prefill(s.stream_executor, message_text("system", system_text(CHILD_SYSTEM, children_tools.openai_tools())))
     states = subagent.run_batch(
         [dict(task=t, registry=children_tools, max_steps=child_steps, temperature=temperature,
               name=f"{name}/child{i}") for i, t in enumerate(subtasks)], backend=backend)
@@ -99,7 +96,5 @@ def fan_out(s, goal: str, subtasks: list, registry: ToolRegistry, child_steps: i
         f"[subagent {i}] {t}\n" for i, t in enumerate(subtasks)))
     for i, child in enumerate(children):
         s += tool(f"subagent {i} answer: {child.answer or '(no answer)'}")
-    done, call = step(s, parent_tools, "final", names=["finish"], temperature=temperature)
-    session.add(done)
-    session.answer = (call.parsed() or {}).get("answer")
+    final_answer(s, parent_tools, session, temperature)
     return session

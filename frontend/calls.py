@@ -1,7 +1,7 @@
 """Constrained tool calls inside `@sgl.function` programs, in the served model's markup.
 
-A call is written as SGLang's `hermes` structural tag writes it (`chat.CALL_HEAD` + name +
-`chat.CALL_MID` + arguments + `chat.CALL_TAIL`), in two constrained generations:
+A call is written as SGLang's `hermes` structural tag writes it (`CALL_HEAD` + name + `CALL_MID` +
+arguments + `CALL_TAIL`, from `cedar.backend.chat_template`), in two constrained generations:
 
 1. the function name, `sgl.gen(regex="(name_1|name_2|...)")` (skipped when one tool is allowed);
 2. its arguments, `sgl.gen(json_schema=tool.grammar_parameters)`: bounded strings and numbers, so

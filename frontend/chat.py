@@ -13,31 +13,28 @@ from sglang.lang.chat_template import ChatTemplate, get_chat_template, register_
 from sglang.lang.ir import SglExprList, SglRoleBegin, SglRoleEnd
 
 from cedar.backend.chat_template import (  # noqa: F401 - re-exported for programs
-    TOOL_CALL_BEGIN,
-    TOOL_CALL_END,
+    CALL_HEAD,
+    CALL_MID,
+    CALL_TAIL,
     system_text,
     tool_call_text,
-    tools_block,
 )
+from cedar.backend.tokenizer import BOS, END, ROLE_MARKERS
 
 TEMPLATE_NAME = "cedar"
-END = "<|end|>"
 CEDAR_TEMPLATE = ChatTemplate(
     name=TEMPLATE_NAME,
     default_system_prompt=None,
-    role_prefix_and_suffix={
-        "system": ("<|bos|><|system|>", END),
-        "user": ("<|user|>", END),
-        "assistant": ("<|assistant|>", END),
-        "tool": ("<|tool|>", END),
-    },
+    role_prefix_and_suffix={role: ((BOS if role == "system" else "") + marker, END)
+                            for role, marker in ROLE_MARKERS.items()},
     stop_str=(END,),
 )
-# the text between '<tool_call>' and the chosen name, and between the name and the arguments:
-# SGLang's hermes structural tag writes a call as CALL_HEAD + name + CALL_MID + args + CALL_TAIL
-CALL_HEAD = TOOL_CALL_BEGIN + '{"name":"'
-CALL_MID = '", "arguments":'
-CALL_TAIL = "}" + TOOL_CALL_END
+
+
+def message_text(role: str, text: str) -> str:
+    """One message as the template writes it (what `sgl.system(text)` etc. append)."""
+    prefix, suffix = CEDAR_TEMPLATE.role_prefix_and_suffix[role]
+    return prefix + text + suffix
 
 
 def register() -> ChatTemplate:

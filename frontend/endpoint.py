@@ -19,10 +19,9 @@ where the snapshot was taken.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 from sglang.lang.global_config import global_config
@@ -59,6 +58,9 @@ class TokenLedger:
     tokenizer: object
     entries: dict[str, tuple[list[int], bool]] = field(default_factory=dict)  # text -> (ids, is an output)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.special_ids = frozenset(self.tokenizer.all_special_ids)
 
     def encode(self, text: str) -> tuple[list[int], int, bool]:
         """(ids for `text`, how many came from the ledger, whether they end an earlier output)."""
@@ -109,7 +111,7 @@ class CedarEndpoint(RuntimeEndpoint):
 
     def commit_lazy_operations(self, s):
         """The prefill a `fork` sends before its branches (the shared prefix, no output)."""
-        self._send(s, s.text_, {"sampling_params": {"max_new_tokens": 0}})
+        self.prefill(s, s.text_)
 
     def prefill(self, s, text: str) -> None:
         """Compute `text` once (no output), so that requests which start with it and run
@@ -137,8 +139,7 @@ class CedarEndpoint(RuntimeEndpoint):
 
     def _record_output(self, text: str, prompt_ids: list[int], obj: dict) -> None:
         out_ids = list(obj.get("output_ids") or [])
-        specials = set(self.ledger.tokenizer.all_special_ids)
-        while out_ids and out_ids[-1] in specials:
+        while out_ids and out_ids[-1] in self.ledger.special_ids:
             out_ids.pop()
         # NOTE: only when the ids spell exactly the returned text (a stop string trims the text,
         # not the ids): a wrong pair would make every later hit wrong
@@ -173,6 +174,3 @@ def label(s, name: str) -> None:
     executor = getattr(s, "stream_executor", s)
     executor.cedar_label = name
 
-
-def records_json(records: list[RequestRecord]) -> str:
-    return json.dumps([asdict(r) for r in records])

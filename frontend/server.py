@@ -7,9 +7,10 @@ import contextlib
 from pathlib import Path
 from typing import Iterator
 
+from cedar.backend.cli import DEFAULT_MODEL_DIR  # noqa: F401 - the shipped model, re-exported
+
 from .endpoint import CedarEndpoint
 
-DEFAULT_MODEL_DIR = Path("models/cedar-tiny")
 
 
 @contextlib.contextmanager

@@ -11,7 +11,9 @@ from pydantic import AfterValidator, Field
 
 from cedar.backend.serving.tool_call_hooks import close_string_gap, rewrite_legacy_tag
 from cedar.frontend.schema import UnboundedSchemaError, grammar_schema, max_json_chars, with_default_bounds
-from cedar.frontend.tools import DEFAULT_MAX_STR, ToolRegistry, parse_docstring, schema_tool
+from cedar.frontend.schema import DEFAULT_MAX_STR
+from cedar.frontend.signatures import parse_docstring
+from cedar.frontend.tools import ToolRegistry, schema_tool
 
 
 def even(n: int) -> int:
