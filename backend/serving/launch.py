@@ -29,9 +29,6 @@ TOOL_SWITCHES = ("--constrained-json-disable-any-whitespace",)
 # SGLang's SGLANG_TOOL_STRICT_LEVEL=2 (PARAMETER): `required` and named calls are constrained by
 # the function's JSON schema, not only by the call's tags (level 0 leaves arguments free).
 TOOL_ENV = {"SGLANG_TOOL_STRICT_LEVEL": "2"}
-# NOTE: an idle SGLang scheduler busy-polls its sockets: a whole core of a 2-core machine (seen:
-# 101% idle, 1.4% with the flag; a request's latency unchanged). It sleeps on the sockets instead.
-CPU_SWITCHES = ("--sleep-on-idle",)
 GPU_CHOOSES = {"--device", "--attention-backend", "--dtype"}  # left to SGLang where CUDA runs
 
 
@@ -54,9 +51,8 @@ class ServeConfig:
         given = {e.split("=", 1)[0] for e in self.extra}
         cuda = _has_cuda()
         valued = {**{f: v for f, v in CPU_DEFAULTS.items() if not (cuda and f in GPU_CHOOSES)}, **TOOL_DEFAULTS}
-        switches = TOOL_SWITCHES + (() if cuda else CPU_SWITCHES)
         args += [a for flag, value in valued.items() if flag not in given for a in (flag, value)]
-        args += [flag for flag in switches if flag not in given]
+        args += [flag for flag in TOOL_SWITCHES if flag not in given]
         if self.flags.replay == "off" and "--disable-radix-cache" not in given:
             args.append("--disable-radix-cache")
         return args + list(self.extra)
