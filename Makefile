@@ -2,7 +2,7 @@
 # `make test`: set up .venv/ and run the whole test suite.
 VENV := .venv
 PY := $(VENV)/bin/python
-MODEL ?= models/cedar-tiny
+MODEL ?= models/cedar-agent
 
 .PHONY: setup demo test test-kernels clean
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -88,6 +89,98 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(Path(args.model))
 
 
+def _heldout(seed: int, kinds: list[str] | None, limit: int | None):
+    from .corpus.build import HELDOUT, make_tasks
+
+    counts = {k: min(n, limit or n) for k, n in HELDOUT.items() if not kinds or k in kinds}
+    return make_tasks(seed, "heldout", counts)
+
+
+@contextlib.contextmanager
+def _server(args):
+    """A running server (--server URL) or `cedar serve` on --model for the block; yields an
+    object with `.url` and `.post(path, payload)`."""
+    from cedar.backend.demo import ensure_model
+    from cedar.backend.serving.launch import ServeConfig
+    from cedar.backend.serving.process import ServerProcess, free_port
+
+    if args.server:
+        yield RemoteServer(args.server.rstrip("/"))
+        return
+    ensure_model(Path(args.model))
+    with ServerProcess(ServeConfig(model=args.model, port=free_port())) as srv:
+        yield srv
+
+
+def _model_info(url: str) -> dict:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/get_model_info", timeout=60) as r:
+        return json.loads(r.read())
+
+
+class RemoteServer:
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def post(self, path, payload, timeout=300):
+        from cedar.backend.serving.process import ServerProcess
+
+        return ServerProcess.post(self, path, payload, timeout)
+
+
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    """Held-out tasks through a real server: task success per agent, recall, unconstrained calls."""
+    from tokenizers import Tokenizer
+
+    from cedar.frontend.endpoint import CedarEndpoint
+
+    from .evaluate import run_tasks, unconstrained_calls
+
+    tasks = _heldout(args.seed, args.kinds, args.limit)
+    with _server(args) as srv:
+        info = _model_info(srv.url)
+        tok = Tokenizer.from_file(str(Path(info["tokenizer_path"]) / "tokenizer.json"))
+        report = {"model": info["model_path"], "seed": args.seed,
+                  "tasks": run_tasks(CedarEndpoint(srv.url), tasks, tok),
+                  "unconstrained_calls": unconstrained_calls(srv.url, info["model_path"], tasks)}
+    for kind, r in report["tasks"].items():
+        print(f"{kind:<17} {r['ok']:>3}/{r['tasks']:<3} {r['success']:.1%}" + (f"  distance {r['distance_tokens']}" if "distance_tokens" in r else ""))
+    u = report["unconstrained_calls"]
+    print(f"unconstrained tool calls: {u['valid']}/{u['calls']} valid ({u['valid_share']:.1%}), "
+          f"{u['right']}/{u['calls']} right ({u['right_share']:.1%})")
+    _write_json(args.json, report)
+    return 0
+
+
+def _cmd_fidelity(args: argparse.Namespace) -> int:
+    from .corpus.build import run_scripted, tokenize_corpus
+    from .fidelity import fidelity_report, plot, table_markdown
+
+    from cedar.backend.tokenizer import ROLE_MARKERS, special_token_ids
+
+    tasks = _heldout(args.seed, None, None)
+    texts = [{"kind": t.kind, "text": x} for t in tasks if t.kind in ("react", "recall", "coding", "function-calling")
+             for x in run_scripted(t)[:1]]
+    with _server(args) as srv:
+        info = _model_info(srv.url)
+        tok_dir = Path(info["tokenizer_path"])
+        arrays = tokenize_corpus(texts, tok_dir)
+        starts = arrays["doc_start"].tolist()
+        sessions = [arrays["ids"][a:b].astype(int).tolist() for a, b in zip(starts[:-1], starts[1:])]
+        vocab = json.loads((tok_dir / "config.json").read_text())["vocab_size"]
+        react = [t for t in tasks if t.kind in ("react", "recall")][: args.tasks]
+        report = fidelity_report(srv, sessions, special_token_ids(tok_dir)[ROLE_MARKERS["assistant"]], vocab,
+                                 args.per_bucket, tasks=react, seed=args.seed)
+    report["command"] = "cedar " + " ".join(sys.argv[1:])
+    print(table_markdown(report))
+    _write_json(args.json, report)
+    if args.plot:
+        plot(report, Path(args.plot))
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def _add_server_choice(parser) -> None:
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--server", default=None, help="URL of a running `cedar serve` (default: start one)")
@@ -111,6 +204,23 @@ def register(sub) -> None:
     _add_server_choice(reuse)
     reuse.add_argument("--json", default=None, help="also write the figures and per-request records here")
     reuse.set_defaults(fn=_cmd_agent_reuse)
+
+    ev = sub.add_parser("evaluate", help="the model on the held-out generated tasks through a real server (greedy)")
+    _add_server_choice(ev)
+    ev.add_argument("--seed", type=int, default=0, help="corpus seed the held-out split is drawn from")
+    ev.add_argument("--kinds", nargs="*", default=None, help="task generators to run (default: all)")
+    ev.add_argument("--limit", type=int, default=None, help="at most this many tasks per generator")
+    ev.add_argument("--json", default=None)
+    ev.set_defaults(fn=_cmd_evaluate)
+
+    fid = sub.add_parser("fidelity", help="bounded replay and narrowing vs exact on held-out sessions, served")
+    _add_server_choice(fid)
+    fid.add_argument("--json", required=True)
+    fid.add_argument("--plot", default=None)
+    fid.add_argument("--seed", type=int, default=0)
+    fid.add_argument("--per-bucket", type=int, default=12, help="cases per hit-length bucket")
+    fid.add_argument("--tasks", type=int, default=20, help="held-out ReAct/recall tasks run per mode (0: none)")
+    fid.set_defaults(fn=_cmd_fidelity)
 
     demo = sub.add_parser("demo", help="the main job: serve the shipped model and run an agent session on it")
     demo.add_argument("--model", default=str(DEFAULT_MODEL_DIR))

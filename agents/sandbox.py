@@ -63,6 +63,7 @@ def _hook(event, args):
         raise PermissionError(f"sandbox: {event} is not allowed")
 sys.addaudithook(_hook)
 del _hook
+sys.path.insert(0, _root)  # the sandbox's own modules import (python -I leaves the cwd out)
 _code = sys.stdin.read()
 exec(compile(_code, "<snippet>", "exec"), {"__name__": "__main__"})
 '''

@@ -19,7 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_MODEL_DIR = Path("models/cedar-tiny")
+# the trained, shipped model (committed); `models/cedar-tiny` is the random-init test geometry
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "cedar-agent"
 
 
 def _cmd_init_model(args: argparse.Namespace) -> int:

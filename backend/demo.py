@@ -18,9 +18,15 @@ SYSTEM = ("You are a coding agent. Tools: list_files(path), read_file(path), run
 
 
 def ensure_model(model_dir: Path) -> None:
+    """A model folder without weights: ``cedar-tiny`` is built (random init); anything else,
+    e.g. the shipped ``cedar-agent``, is an error naming the folder."""
+    model_dir = Path(model_dir)
     if not (model_dir / "model.safetensors").is_file():
         from .model_io import init_model_dir
 
+        if model_dir.name != "cedar-tiny":
+            raise FileNotFoundError(f"no model.safetensors in {model_dir} (the shipped model is "
+                                    "models/cedar-agent; `cedar init-model` writes a random one)")
         print(f"[demo] building the random-init cedar-tiny model in {model_dir}")
         init_model_dir("cedar-tiny", model_dir)
 

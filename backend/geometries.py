@@ -32,7 +32,20 @@ def cedar_tiny(vocab_size: int = 512, bos: int = 0, eos: tuple[int, ...] = (1,),
     )
 
 
-GEOMETRIES = {"v41-flash": v41_flash, "cedar-tiny": cedar_tiny}
+def cedar_agent(vocab_size: int = 2048, bos: int = 0, eos: tuple[int, ...] = (1,), pad: int = 2) -> CEDConfig:
+    """The trained, shipped model: cedar-tiny's layer roles at hidden 256 and a 2,048-token
+    vocabulary; top-k 32 so a recall far outside the window has room among the selected entries."""
+    return CEDConfig(
+        name="cedar-agent", vocab_size=vocab_size, hidden_size=256, intermediate_size=512,
+        num_hidden_layers=8, num_attention_heads=4, kv_latent_dim=64, rope_dim=16,
+        index_head_dim=32, index_num_heads=2, index_topk=32, compress_ratios=(0, 2, 2, 2, 1, 1, 1, 1),
+        kv_source_layer_ids=(1, 4), index_source_layer_ids=(1, 4, 6), sliding_window=128,
+        page_size=2, max_position_embeddings=16384, bos_token_id=bos, eos_token_ids=eos,
+        pad_token_id=pad,
+    )
+
+
+GEOMETRIES = {"v41-flash": v41_flash, "cedar-tiny": cedar_tiny, "cedar-agent": cedar_agent}
 
 
 def geometry(name: str) -> CEDConfig:

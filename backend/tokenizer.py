@@ -38,23 +38,33 @@ ROLE_MARKERS = {
 SPECIAL_TOKENS = (BOS, EOS, PAD, *ROLE_MARKERS.values(), END)
 
 MODEL_MAX_LENGTH = 8192
+# NOTE: the tool-call markup of `chat_template` (TOOL_CALL_BEGIN / END) as whole tokens
+MARKUP_TOKENS = ("<tool_call>", "</tool_call>")
 
 
-def build_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
-    """Train the byte-level BPE on `builtin_corpus()` and write the tokenizer files to `out_dir`.
+def build_tokenizer(out_dir: Path, vocab_size: int = 512, corpus: list[str] | None = None,
+                    markup_tokens: bool = False, model_max_length: int = MODEL_MAX_LENGTH) -> None:
+    """Train the byte-level BPE on `corpus` (default `builtin_corpus()`) and write the tokenizer
+    files to `out_dir`.
 
     Writes `tokenizer.json`, `tokenizer_config.json` and `special_tokens_map.json` (creating
     `out_dir` if needed; existing files are overwritten). `vocab_size` counts specials, the 256
-    byte tokens and the merges, so it must exceed `len(SPECIAL_TOKENS) + 256`.
+    byte tokens and the merges, so it must exceed `len(SPECIAL_TOKENS) + 256`. `markup_tokens`
+    adds `MARKUP_TOKENS` (`<tool_call>`, `</tool_call>`) as single, non-special tokens (kept in
+    decoded text, so SGLang's tool-call parser still sees them).
     """
     min_size = len(SPECIAL_TOKENS) + 256 + 1
     if vocab_size < min_size:
         raise ValueError(f"vocab_size={vocab_size} leaves no room for merges (need >= {min_size})")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train_bpe(builtin_corpus(), vocab_size)
+    tokenizer = _train_bpe(corpus or builtin_corpus(), vocab_size - (len(MARKUP_TOKENS) if markup_tokens else 0))
+    if markup_tokens:
+        from tokenizers import AddedToken
+
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
     tokenizer.save(str(out_dir / "tokenizer.json"), pretty=True)
-    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config())
+    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(model_max_length))
     _write_json(out_dir / "special_tokens_map.json", _special_tokens_map())
 
 
@@ -104,7 +114,7 @@ def _train_bpe(lines: list[str], vocab_size: int):
     return tokenizer
 
 
-def _tokenizer_config() -> dict:
+def _tokenizer_config(model_max_length: int) -> dict:
     """The `tokenizer_config.json` contents (transformers' PreTrainedTokenizerFast)."""
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -116,7 +126,7 @@ def _tokenizer_config() -> dict:
         "add_bos_token": False,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": MODEL_MAX_LENGTH,
+        "model_max_length": model_max_length,
         "padding_side": "left",
         "chat_template": CHAT_TEMPLATE,
     }

@@ -1,0 +1,185 @@
+"""Build the training corpus offline and deterministically from a seed.
+
+1. Generated tasks (`tasks.py`) run through Cedar's own agent programs (`cedar.agents.runs`) on a
+   `ScriptedBackend`: real tools, real sandboxes, the served chat markup. A run whose outcome is
+   not the task's `expect` (or whose script is not used up) is an error, never silently kept.
+2. Plain code: Python standard-library sources of this machine (PSF licence), a tenth of the text.
+3. A held-out split: tasks drawn from their own seed stream (`"heldout"`), written to
+   `heldout.json`; a training task whose prompt equals a held-out one is dropped.
+
+`tokenize_corpus` then cuts every session at the boundaries of its gens (a thought, a tool name,
+its arguments) and tokenizes the pieces apart, exactly as `CedarEndpoint` sends a session to the
+server (the context as text, each gen's output as its own tokens), and marks assistant tokens for
+full loss weight.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from cedar.backend.chat_template import CALL_HEAD, CALL_MID, CALL_TAIL
+from cedar.backend.tokenizer import END, ROLE_MARKERS
+
+from cedar.frontend.calls import ConstrainedCallError
+
+from ..runs import AGENTS
+from .scripted import ScriptedBackend
+from .tasks import GENERATORS, Task
+
+# sessions per generator in the training split (scaled by `scale`) and in the held-out split
+TRAIN_MIX = {"react": 2400, "recall": 1400, "coding": 1300, "function-calling": 2400, "parallel": 500, "subagents": 500}
+HELDOUT = {"react": 40, "recall": 40, "coding": 30, "function-calling": 40, "parallel": 15, "subagents": 15}
+PLAIN_SHARE = 0.1  # share of characters from plain code
+GEN_PIECES = re.compile("(Thought: )([^\n<]*)(\n)|(" + re.escape(CALL_HEAD) + ")(.*?)(" + re.escape(CALL_MID) + ")(.*?)("
+                        + re.escape(CALL_TAIL) + ")", re.S)
+
+
+class CorpusError(RuntimeError):
+    """A scripted run did not end as its task expects."""
+
+
+def make_tasks(seed: int, split: str, counts: dict[str, int]) -> list[Task]:
+    tasks = []
+    for kind, n in counts.items():
+        for i in range(n):
+            rng = random.Random(f"{seed}:{split}:{kind}:{i}")
+            gen = GENERATORS[kind]
+            tasks.append(gen(rng, i) if kind == "function-calling" else gen(rng))
+            if kind == "function-calling":
+                tasks[-1].inputs["name"] = f"{split}-fc-{i}"
+    return tasks
+
+
+def prompt_key(task: Task) -> str:
+    """A task's identity: all its inputs but its name (a training task equal to a held-out one
+    in every input is dropped; a shared question with other facts is a different task)."""
+    return json.dumps({k: v for k, v in task.inputs.items() if k != "name"}, sort_keys=True)
+
+
+def run_scripted(task: Task) -> list[str]:
+    """Run one task's agent on its script; returns the texts of every program it ran."""
+    backend = ScriptedBackend(task.script)
+    try:
+        result = AGENTS[task.agent](backend, task.inputs)
+    except (ConstrainedCallError, KeyError) as e:  # a gen the script could not answer
+        raise CorpusError(f"{task.kind}: {e}") from None
+    if backend.leftover():
+        raise CorpusError(f"{task.kind}: unused script answers {backend.leftover()}")
+    if not outcome_ok(task, result):
+        raise CorpusError(f"{task.kind}: the scripted run did not reach {task.expect}: {json.dumps(result)[:400]}")
+    return backend.texts()
+
+
+def outcome_ok(task: Task, result: dict) -> bool:
+    """Did a run (scripted, or a model's) end as the task expects?"""
+    if task.agent == "function-calling":
+        return result["scores"]["task_accuracy"] == 1.0
+    if task.agent == "coding":
+        module = task.inputs["instruction"].split("Fix ")[1].split(" ")[0]
+        return task.expect["fixed_line"] in result["files_after"].get(module, "") and \
+            result["session"]["answer"] is not None
+    return (result["session"].get("answer") or "").strip() == task.expect["answer"]
+
+
+def plain_texts(max_chars: int, piece_chars: int = 3000) -> list[str]:
+    """Pieces of this interpreter's standard-library sources (PSF licence), in a fixed order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out, total = [], 0
+    for path in sorted(root.glob("*.py")):
+        text = path.read_text(errors="replace")
+        for s in range(0, len(text), piece_chars):
+            out.append(text[s:s + piece_chars])
+            total += len(out[-1])
+            if total >= max_chars:
+                return out
+    return out
+
+
+@dataclass
+class Corpus:
+    sessions: list[dict]  # {"kind", "text"}
+    heldout: list[Task]
+
+
+def train_tasks(seed: int, scale: float, heldout: list[Task]) -> list[Task]:
+    """The training split: the mix scaled, minus any task equal to a held-out one."""
+    held_keys = {prompt_key(t) for t in heldout}
+    return [t for t in make_tasks(seed, "train", {k: max(1, round(n * scale)) for k, n in TRAIN_MIX.items()})
+            if prompt_key(t) not in held_keys]
+
+
+def build_corpus(seed: int = 0, scale: float = 1.0, log=print) -> Corpus:
+    heldout = make_tasks(seed, "heldout", HELDOUT)
+    train = train_tasks(seed, scale, heldout)
+    sessions = []
+    for i, task in enumerate(train):
+        sessions += [{"kind": task.kind, "text": t} for t in run_scripted(task)]
+        if log and (i + 1) % 500 == 0:
+            log(f"[corpus] {i + 1}/{len(train)} scripted sessions")
+    chars = sum(len(s["text"]) for s in sessions)
+    sessions += [{"kind": "plain", "text": t} for t in plain_texts(int(chars * PLAIN_SHARE / (1 - PLAIN_SHARE)))]
+    random.Random(seed).shuffle(sessions)
+    return Corpus(sessions, heldout)
+
+
+def save_corpus(corpus: Corpus, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "train.jsonl").open("w") as f:
+        for s in corpus.sessions:
+            f.write(json.dumps(s) + "\n")
+    (out / "heldout.json").write_text(json.dumps([t.to_json() for t in corpus.heldout], indent=1) + "\n")
+
+
+def load_sessions(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "train.jsonl").open()]
+
+
+def tokenize_corpus(sessions: list[dict], tokenizer_dir: Path) -> dict[str, np.ndarray]:
+    """-> {"ids": (N,) uint16, "weight": (N,) uint8 (1 = assistant token), "doc_start": (D+1,) int64}."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    start_id, end_id = tok.token_to_id(ROLE_MARKERS["assistant"]), tok.token_to_id(END)
+    ids_all, weights, starts = [], [], [0]
+    for s in sessions:
+        parts = split_at_gens(s["text"]) if s["kind"] != "plain" else [s["text"]]
+        ids = [i for enc in tok.encode_batch(parts, add_special_tokens=False) for i in enc.ids]
+        w, inside = np.zeros(len(ids), np.uint8), False
+        for j, t in enumerate(ids):
+            if t == start_id:
+                inside = True
+            elif inside:
+                w[j] = 1
+                if t == end_id:
+                    inside = False
+        ids_all.append(np.asarray(ids, np.uint16))
+        weights.append(w)
+        starts.append(starts[-1] + len(ids))
+    return {"ids": np.concatenate(ids_all), "weight": np.concatenate(weights), "doc_start": np.asarray(starts, np.int64)}
+
+
+def split_at_gens(text: str) -> list[str]:
+    """A session cut where its gens start and end: [context, gen, context, gen, ..., context].
+
+    Gens are a thought (after "Thought: ", up to the newline), a tool name (between CALL_HEAD
+    and CALL_MID) and its arguments (between CALL_MID and CALL_TAIL); everything else is context
+    and is tokenized in one piece between two gens, as the endpoint sends it."""
+    out, last = [], 0
+    for m in GEN_PIECES.finditer(text):
+        if m.group(2) is not None:  # a thought
+            cuts = [(m.start(2), m.end(2))]
+        else:
+            cuts = [(m.start(5), m.end(5)), (m.start(7), m.end(7))]
+        for a, b in cuts:
+            out.append(text[last:a])
+            out.append(text[a:b])
+            last = b
+    out.append(text[last:])
+    return [p for p in out if p]

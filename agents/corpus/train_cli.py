@@ -1,0 +1,116 @@
+"""`cedar train --out DIR [...]`: corpus (built once into DIR/corpus), tokenizer, training,
+and the trained model in HF format in DIR/model.
+
+    DIR/corpus/train.jsonl, heldout.json, tokens.npz, heldout_tokens.npz
+    DIR/checkpoint.pt, loss_curve.json, loss_curve.png   (resumable: run the same command again)
+    DIR/model/  config.json, model.safetensors, tokenizer files, chat template, training.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cedar.backend.geometries import cedar_agent
+from cedar.backend.model_io import save_model
+from cedar.backend.tokenizer import build_tokenizer, generation_eos_token_ids, special_token_ids
+from cedar.backend.training.trainer import TrainConfig, train
+
+from .build import build_corpus, load_sessions, run_scripted, save_corpus, tokenize_corpus
+from .tasks import GENERATORS, Task
+
+VOCAB = 2048
+CONTEXT = 16384
+TOKENIZER_SAMPLE = 4000  # sessions the BPE is trained on
+
+
+def heldout_tasks(corpus_dir: Path) -> list[Task]:
+    """The held-out tasks as `Task`s again (inputs + expect; their scripts re-made from the seed
+    are not needed: `run_scripted` needs them only for the held-out loss texts)."""
+    return [Task(d["agent"], d["kind"], d["inputs"], {}, d["expect"])
+            for d in json.loads((corpus_dir / "heldout.json").read_text())]
+
+
+def prepare(out: Path, seed: int, scale: float, log=print) -> tuple[dict, dict]:
+    """Corpus, tokenizer and token arrays under ``out`` (each step skipped when already there)."""
+    corpus_dir, model_dir = out / "corpus", out / "model"
+    if not (corpus_dir / "train.jsonl").is_file():
+        t = time.time()
+        corpus = build_corpus(seed, scale, log=log)
+        save_corpus(corpus, corpus_dir)
+        held_texts = [{"kind": task.kind, "text": x} for task in corpus.heldout for x in run_scripted(task)]
+        (corpus_dir / "heldout_sessions.jsonl").write_text("".join(json.dumps(s) + "\n" for s in held_texts))
+        log(f"[train] corpus: {len(corpus.sessions)} sessions in {time.time() - t:.0f} s")
+    sessions = load_sessions(corpus_dir)
+    if not (model_dir / "tokenizer.json").is_file():
+        sample = [s["text"] for s in sessions[:TOKENIZER_SAMPLE]]
+        build_tokenizer(model_dir, VOCAB, corpus=sample, markup_tokens=True, model_max_length=CONTEXT)
+    if not (corpus_dir / "tokens.npz").is_file():
+        np.savez(corpus_dir / "tokens.npz", **tokenize_corpus(sessions, model_dir))
+        held = [json.loads(line) for line in (corpus_dir / "heldout_sessions.jsonl").open()]
+        np.savez(corpus_dir / "heldout_tokens.npz", **tokenize_corpus(held, model_dir))
+    arrays = dict(np.load(corpus_dir / "tokens.npz"))
+    held = dict(np.load(corpus_dir / "heldout_tokens.npz"))
+    chars = sum(len(s["text"].encode()) for s in sessions)
+    log(f"[train] {len(arrays['ids'])} training tokens ({chars / len(arrays['ids']):.2f} bytes/token), "
+        f"{len(held['ids'])} held-out tokens")
+    return arrays, held
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    arrays, held = prepare(out, args.seed, args.scale)
+    model_dir = out / "model"
+    ids = special_token_ids(model_dir)
+    cfg = cedar_agent(VOCAB, bos=ids["<|bos|>"], eos=tuple(generation_eos_token_ids(model_dir)), pad=ids["<|pad|>"])
+    tc = TrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
+                     warmup=min(50, max(1, args.steps // 10)), checkpoint_every=args.checkpoint_every,
+                     eval_every=args.eval_every)
+    if args.export:  # the latest checkpoint as a model folder, no training
+        from cedar.backend.training.trainer import CHECKPOINT, init_model
+
+        state = torch.load(out / CHECKPOINT, weights_only=False)
+        model = init_model(cfg, 0)
+        model.load_state_dict(state["model"])
+        save_model(model, model_dir)
+        print(f"[train] exported step {state['step']} to {model_dir}")
+        return 0
+    t = time.time()
+    model, curve = train(cfg, arrays, held, tc, out, progress=not args.no_progress)
+    save_model(model, model_dir)
+    summary = {"command": "cedar " + " ".join(sys.argv[1:]), "geometry": cfg.name,
+               "parameters": sum(p.numel() for p in model.parameters()), "steps": tc.steps,
+               "tokens_seen": tc.steps * tc.batch * tc.seq_len, "train_seconds": round(curve["seconds"], 1),
+               "final_train_loss": float(np.mean([p["loss"] for p in curve["train"][-20:]])),
+               "heldout": curve["heldout"][-1] if curve["heldout"] else None,
+               "corpus_tokens": int(len(arrays["ids"])), "heldout_tokens": int(len(held["ids"]))}
+    (model_dir / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"[train] done in {time.time() - t:.0f} s: {json.dumps(summary)}")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="build the agent corpus and train a CED model on CPU (resumable)")
+    p.add_argument("--out", required=True, help="run folder (corpus, checkpoints, curve, model/)")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch", type=int, default=3, help="packed rows per step")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per row (a multiple of 128)")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scale", type=float, default=1.0, help="corpus size relative to the default mix")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--checkpoint-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--export", action="store_true", help="only write the latest checkpoint to DIR/model")
+    p.set_defaults(fn=_cmd_train)
+
+
+__all__ = ["register", "GENERATORS"]

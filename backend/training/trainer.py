@@ -1,0 +1,250 @@
+"""The training loop: packed rows, a share of steps under simulated bounded replay, AdamW with a
+cosine schedule, resumable checkpoints, the loss curve as JSON and PNG.
+
+Inputs are token arrays (``ids`` uint16, ``weight`` uint8 = 1 on assistant tokens, ``doc_start``
+offsets), produced by whoever built the corpus (``cedar.agents.corpus``). Every step's batch and
+plan are a function of (seed, step), so a resumed run takes the same steps as an unbroken one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from cedar.backend.config import CEDConfig
+from cedar.backend.model import CEDModel
+
+from .dense import DenseForward, Plan
+
+CHECKPOINT = "checkpoint.pt"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1000
+    batch: int = 3  # packed rows per step
+    seq_len: int = 2048  # tokens per row (a multiple of W)
+    lr: float = 2e-3
+    min_lr: float = 1e-4
+    warmup: int = 50
+    weight_decay: float = 0.05
+    context_weight: float = 0.3  # loss weight of non-assistant tokens (assistant tokens: 1)
+    aux_weight: float = 0.1  # indexer distillation loss
+    replay_share: float = 0.35  # steps with an encoder-side hit (and a narrowed prompt end)
+    narrow_share: float = 0.25  # steps with decoder narrowing only
+    dense_share: float = 0.0  # a first share of steps attends every visible global entry (indexer warm-up)
+    checkpoint_every: int = 50
+    eval_every: int = 100
+    seed: int = 0
+
+
+def init_model(cfg: CEDConfig, seed: int) -> CEDModel:
+    """Training init: N(0, 0.02) weights, output projections scaled by 1/sqrt(2L), sinks 0."""
+    gen = torch.Generator().manual_seed(seed)
+    model = CEDModel(cfg, quantize=False)
+    scale = 1 / math.sqrt(2 * cfg.num_hidden_layers)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sink"):
+                p.zero_()
+            elif p.dim() >= 2:
+                std = 0.02 * (scale if name.endswith(("wo.weight", "down_proj.weight")) else 1.0)
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    return model
+
+
+def pack_rows(doc_start: np.ndarray, seq_len: int) -> list[list[tuple[int, int]]]:
+    """First-fit packing of documents (pieces of at most seq_len tokens) into rows; each piece
+    starts at an even offset. Returns rows as lists of (start, end) token ranges."""
+    pieces = []
+    for a, b in zip(doc_start[:-1].tolist(), doc_start[1:].tolist()):
+        for s in range(a, b, seq_len):
+            pieces.append((s, min(b, s + seq_len)))
+    pieces.sort(key=lambda p: p[0] - p[1])  # longest first
+    rows: list[list[tuple[int, int]]] = []
+    free: list[int] = []
+    for a, b in pieces:
+        n = b - a + (b - a) % 2
+        # NOTE: first fit among the last rows opened only (bounded search; near-full rows close)
+        for r in range(max(0, len(rows) - 64), len(rows)):
+            if free[r] >= n:
+                rows[r].append((a, b))
+                free[r] -= n
+                break
+        else:
+            rows.append([(a, b)])
+            free.append(seq_len - n)
+    return rows
+
+
+def make_batch(arrays: dict, rows: list[list[tuple[int, int]]], which: list[int], seq_len: int,
+               pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> ids (B, T) int64, doc (B, T) int64 (-1 = pad), weight (B, T) uint8."""
+    B = len(which)
+    ids = torch.full((B, seq_len), pad_id, dtype=torch.long)
+    doc = torch.full((B, seq_len), -1, dtype=torch.long)
+    w = torch.zeros((B, seq_len), dtype=torch.uint8)
+    for i, r in enumerate(which):
+        at = 0
+        for d, (a, b) in enumerate(rows[r]):
+            n = b - a
+            ids[i, at:at + n] = torch.from_numpy(arrays["ids"][a:b].astype(np.int64))
+            w[i, at:at + n] = torch.from_numpy(arrays["weight"][a:b])
+            doc[i, at:at + n] = d
+            at += n + n % 2
+    return ids, doc, w
+
+
+def step_plan(tc: TrainConfig, step: int, seq_len: int, W: int) -> Plan:
+    rng = random.Random(f"{tc.seed}:plan:{step}")
+    dense = step < tc.dense_share * tc.steps
+    u = rng.random()
+    blocks = seq_len // W
+    if u < tc.replay_share and blocks >= 4:
+        hit = rng.randrange(2, blocks - 1) * W
+        end = rng.randrange(hit // W + 1, blocks + 1) * W
+        return Plan(hit=hit, narrow_end=end, dense_global=dense)
+    if u < tc.replay_share + tc.narrow_share:
+        return Plan(narrow_end=rng.randrange(1, blocks + 1) * W, dense_global=dense)
+    return Plan(dense_global=dense)
+
+
+def loss_of(forward: DenseForward, ids, doc, weight, plan: Plan, tc: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted next-token loss (and the plain mean over real tokens, for reporting)."""
+    logits, aux = forward.run(ids, doc, plan)
+    target = ids[:, 1:]
+    valid = (doc[:, 1:] >= 0) & (doc[:, 1:] == doc[:, :-1])
+    w = torch.where(weight[:, 1:] > 0, 1.0, tc.context_weight) * valid
+    ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
+    ce = ce.view_as(w)
+    total = (ce * w).sum() / w.sum().clamp_min(1) + tc.aux_weight * aux
+    return total, ((ce * valid).sum() / valid.sum().clamp_min(1)).detach()
+
+
+@torch.no_grad()
+def evaluate(model: CEDModel, arrays: dict, tc: TrainConfig, pad_id: int, max_rows: int = 8) -> dict:
+    """Mean next-token loss over real tokens and over assistant tokens of held-out rows (cold)."""
+    rows = pack_rows(arrays["doc_start"], tc.seq_len)[:max_rows]
+    fwd = DenseForward(model)
+    tot = ast = n = na = 0.0
+    for i in range(0, len(rows), tc.batch):
+        ids, doc, w = make_batch(arrays, rows, list(range(i, min(i + tc.batch, len(rows)))), tc.seq_len, pad_id)
+        logits, _ = fwd.run(ids, doc, Plan())
+        valid = (doc[:, 1:] >= 0) & (doc[:, 1:] == doc[:, :-1])
+        ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                             reduction="none").view_as(valid)
+        a = valid & (w[:, 1:] > 0)
+        tot, n = tot + float((ce * valid).sum()), n + float(valid.sum())
+        ast, na = ast + float((ce * a).sum()), na + float(a.sum())
+    return {"loss": tot / max(n, 1), "assistant_loss": ast / max(na, 1), "tokens": int(n)}
+
+
+def lr_at(tc: TrainConfig, step: int) -> float:
+    if step < tc.warmup:
+        return tc.lr * (step + 1) / tc.warmup
+    t = (step - tc.warmup) / max(1, tc.steps - tc.warmup)
+    return tc.min_lr + 0.5 * (tc.lr - tc.min_lr) * (1 + math.cos(math.pi * min(1.0, t)))
+
+
+def train(cfg: CEDConfig, arrays: dict, heldout: dict | None, tc: TrainConfig, out: Path,
+          progress: bool = True, until: int | None = None) -> tuple[CEDModel, dict]:
+    """Train (or resume from ``out/checkpoint.pt``) and return the model and the curve.
+    ``until``: stop after that step (checkpointed), as an interrupted run would."""
+    from tqdm import tqdm
+
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(tc.seed)
+    model = init_model(cfg, tc.seed)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    rest = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
+                             {"params": rest, "weight_decay": 0.0}], lr=tc.lr, betas=(0.9, 0.95))
+    curve = {"config": asdict(tc), "train": [], "heldout": [], "seconds": 0.0}
+    start = 0
+    ck = out / CHECKPOINT
+    if ck.is_file():
+        state = torch.load(ck, weights_only=False)
+        if state["config"] != asdict(tc):
+            raise ValueError(f"{ck} was written by another training config; use another --out or the same flags")
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        curve, start = state["curve"], state["step"]
+    rows = pack_rows(arrays["doc_start"], tc.seq_len)
+    order = random.Random(f"{tc.seed}:order")
+    perm: list[int] = []
+    while len(perm) < tc.steps * tc.batch:
+        block = list(range(len(rows)))
+        order.shuffle(block)
+        perm += block
+    fwd = DenseForward(model)
+    model.train()
+    bar = tqdm(range(start, min(tc.steps, until or tc.steps)), initial=start, total=tc.steps, disable=not progress, desc="train")
+    t0 = time.time() - curve["seconds"]
+    for step in bar:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(tc, step)
+        ids, doc, w = make_batch(arrays, rows, perm[step * tc.batch:(step + 1) * tc.batch], tc.seq_len, cfg.pad_token_id)
+        plan = step_plan(tc, step, tc.seq_len, cfg.sliding_window)
+        loss, plain = loss_of(fwd, ids, doc, w, plan, tc)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        curve["train"].append({"step": step, "loss": round(float(plain), 4), "objective": round(float(loss.detach()), 4),
+                               "hit": plan.hit, "narrow_end": plan.narrow_end})
+        bar.set_postfix(loss=f"{float(plain):.3f}")
+        done = step + 1
+        if heldout is not None and (done % tc.eval_every == 0 or done == tc.steps):
+            model.eval()
+            curve["heldout"].append({"step": done, **evaluate(model, heldout, tc, cfg.pad_token_id)})
+            model.train()
+        if done % tc.checkpoint_every == 0 or done in (tc.steps, until):
+            curve["seconds"] = time.time() - t0
+            save_checkpoint(ck, model, opt, curve, done, tc)
+            write_curve(curve, out)
+    model.eval()
+    return model, curve
+
+
+def save_checkpoint(path: Path, model, opt, curve, step: int, tc: TrainConfig) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "curve": curve, "step": step,
+                "config": asdict(tc)}, tmp)
+    os.replace(tmp, path)
+
+
+def write_curve(curve: dict, out: Path) -> None:
+    (out / "loss_curve.json").write_text(json.dumps(curve) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    tr = curve["train"]
+    if tr:
+        k = max(1, len(tr) // 100)
+        xs = [p["step"] for p in tr][k - 1::k]
+        ys = np.convolve([p["loss"] for p in tr], np.ones(k) / k, mode="valid")[::k]
+        ax.plot(xs[:len(ys)], ys, label="train (all tokens, mean of %d steps)" % k)
+    if curve["heldout"]:
+        ax.plot([p["step"] for p in curve["heldout"]], [p["loss"] for p in curve["heldout"]], "o-", label="held-out (all tokens)")
+        ax.plot([p["step"] for p in curve["heldout"]], [p["assistant_loss"] for p in curve["heldout"]], "s-",
+                label="held-out (assistant tokens)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("next-token loss (nats)")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "loss_curve.png", dpi=100)
+    plt.close(fig)

@@ -1,0 +1,129 @@
+"""The batched training forward against the reference model, and the training loop: the loss
+falls, an interrupted run resumes to the same weights, packing places every token once."""
+
+import numpy as np
+import pytest
+import torch
+
+from cedar.backend import replay
+from cedar.backend.cache import cache_for_hit, new_cache
+from cedar.backend.geometries import cedar_tiny
+from cedar.backend.model import CEDModel
+from cedar.backend.model_io import random_model
+from cedar.backend.training.dense import DenseForward, Plan
+from cedar.backend.training.trainer import TrainConfig, pack_rows, step_plan, train
+
+W = 128
+
+
+@pytest.fixture(scope="module")
+def ref():
+    cfg = cedar_tiny()
+    model = CEDModel(cfg, quantize=False)
+    model.load_state_dict(random_model(cfg, 3).state_dict())
+    return model.eval()
+
+
+def test_cold_rows_match_the_reference_forward(ref):
+    ids = torch.randint(8, 512, (2, 384), generator=torch.Generator().manual_seed(0))
+    doc = torch.zeros(2, 384, dtype=torch.long)
+    with torch.no_grad():
+        logits, _ = DenseForward(ref).run(ids, doc, Plan())
+        for b in range(2):
+            torch.testing.assert_close(logits[b], ref.forward(ids[b]), atol=2e-5, rtol=1e-5)
+
+
+def test_a_simulated_hit_and_narrowed_prompt_match_served_replay(ref):
+    """Rows of pass 2 equal the reference's bounded-replay prefill (narrowed: its last W rows)
+    and the decode steps after it."""
+    H, P, T = 256, 384, 512
+    ids = torch.randint(8, 512, (1, T), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits, _ = DenseForward(ref).run(ids, torch.zeros(1, T, dtype=torch.long), Plan(hit=H, narrow_end=P))
+        donor = new_cache(ref.cfg, False)
+        replay.prefill(ref, donor, ids[0, :H], replay.replay_span(0, W))
+        cache = cache_for_hit(donor, ref.cfg, H, False)
+        res = replay.prefill(ref, cache, ids[0, :P], replay.replay_span(H, W), narrow=True)
+        assert res.positions.tolist() == list(range(P - W, P))
+        torch.testing.assert_close(logits[0, P - W:P], res.logits, atol=2e-5, rtol=1e-5)
+        steps = torch.stack([replay.decode(ref, cache, int(ids[0, t])) for t in range(P, P + 24)])
+        torch.testing.assert_close(logits[0, P:P + 24], steps, atol=2e-5, rtol=1e-5)
+        # and the simulation is not a no-op: the cold rows differ from the replayed ones
+        cold, _ = DenseForward(ref).run(ids, torch.zeros(1, T, dtype=torch.long), Plan())
+        assert (cold[0, P - W:P] - logits[0, P - W:P]).abs().max() > 1e-3
+
+
+def test_documents_in_one_row_do_not_see_each_other(ref):
+    a = torch.randint(8, 512, (200,), generator=torch.Generator().manual_seed(2))
+    b = torch.randint(8, 512, (184,), generator=torch.Generator().manual_seed(3))
+    ids = torch.cat([a, b])[None]
+    doc = torch.cat([torch.zeros(200, dtype=torch.long), torch.ones(184, dtype=torch.long)])[None]
+    with torch.no_grad():
+        logits, _ = DenseForward(ref).run(ids, doc, Plan())
+        torch.testing.assert_close(logits[0, :200], ref.forward(a), atol=2e-5, rtol=1e-5)
+        # the second document is shifted by 200 positions: RoPE makes that invisible
+        torch.testing.assert_close(logits[0, 200:], ref.forward(b), atol=2e-4, rtol=1e-4)
+
+
+def test_the_indexer_and_compressors_get_gradients(ref):
+    model = CEDModel(ref.cfg, quantize=False)
+    model.load_state_dict(ref.state_dict())
+    ids = torch.randint(8, 512, (1, 256), generator=torch.Generator().manual_seed(4))
+    logits, aux = DenseForward(model, aux_stride=1).run(ids, torch.zeros(1, 256, dtype=torch.long), Plan())
+    (logits.logsumexp(-1).mean() + aux).backward()
+    assert float(aux.detach()) > 0
+    for name in ("layers.1.wq_index.weight", "layers.6.wq_index.weight", "layers.1.compressor.wk_index.weight",
+                 "layers.4.compressor.wkv.weight", "layers.1.compressor.wgate.weight"):
+        grad = dict(model.named_parameters())[name].grad
+        assert grad is not None and float(grad.abs().sum()) > 0, name
+
+
+def test_packing_places_every_token_once_at_even_offsets():
+    rng = np.random.default_rng(0)
+    lens = rng.integers(3, 700, size=300)
+    starts = np.concatenate([[0], np.cumsum(lens)])
+    rows = pack_rows(starts, 512)
+    covered = sorted(r for row in rows for r in row)
+    assert sum(b - a for a, b in covered) == int(lens.sum())
+    assert all(b2 == a1 for (_, b2), (a1, _) in zip(covered, covered[1:])) and covered[0][0] == 0
+    for row in rows:
+        assert sum(b - a + (b - a) % 2 for a, b in row) <= 512
+
+
+def test_step_plans_mix_replay_narrowing_and_plain_steps():
+    tc = TrainConfig(steps=400, seed=0)
+    plans = [step_plan(tc, s, 1536, W) for s in range(400)]
+    assert plans == [step_plan(tc, s, 1536, W) for s in range(400)]
+    hits = [p for p in plans if p.hit]
+    assert 0.25 < len(hits) / 400 < 0.45 and all(2 * W <= p.hit < p.narrow_end <= 1536 for p in hits)
+    assert 0.15 < sum(1 for p in plans if p.narrow_end and not p.hit) / 400 < 0.35
+    assert any(not p.hit and not p.narrow_end for p in plans)
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory):
+    from cedar.agents.corpus.build import build_corpus, tokenize_corpus
+    from cedar.backend.tokenizer import build_tokenizer, special_token_ids
+
+    out = tmp_path_factory.mktemp("corpus")
+    corpus = build_corpus(seed=5, scale=0.004, log=None)
+    build_tokenizer(out, 512, corpus=[s["text"] for s in corpus.sessions], markup_tokens=True)
+    arrays = tokenize_corpus(corpus.sessions, out)
+    ids = special_token_ids(out)
+    return arrays, cedar_tiny(bos=ids["<|bos|>"], pad=ids["<|pad|>"])
+
+
+def test_a_short_training_run_lowers_the_loss_and_resumes_exactly(small_corpus, tmp_path):
+    arrays, cfg = small_corpus
+    tc = TrainConfig(steps=16, batch=2, seq_len=256, warmup=2, lr=3e-3, checkpoint_every=100, eval_every=100)
+    torch.set_num_threads(2)
+    model, curve = train(cfg, arrays, None, tc, tmp_path / "a", progress=False)
+    losses = [p["loss"] for p in curve["train"]]
+    assert np.mean(losses[-4:]) < np.mean(losses[:4]) - 0.5, losses
+    assert (tmp_path / "a" / "loss_curve.png").stat().st_size > 0
+    _, half = train(cfg, arrays, None, tc, tmp_path / "b", progress=False, until=7)
+    assert len(half["train"]) == 7
+    resumed, curve_b = train(cfg, arrays, None, tc, tmp_path / "b", progress=False)
+    assert [p["loss"] for p in curve_b["train"]] == losses
+    for (name, p), q in zip(model.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(p, q), name
