@@ -5,27 +5,47 @@ and stop the server."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from cedar.frontend.server import connect
 
 from .cli import print_transcript
+from .coding import EXAMPLE_TASK
 from .runs import run_agent
 
 
-def openai_tool_call(base_url: str, model: str) -> str:
+DEMO_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city.",
+     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}}},
+    {"type": "function", "function": {"name": "get_time", "description": "Local time in a city.",
+     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}},
+                    "required": ["city"]}}},
+]
+
+
+def openai_tool_call(base_url: str, model: str, question: str = "What time is it in Oslo?") -> str:
+    """One unconstrained (`tool_choice: auto`) call through the `openai` client."""
     import openai
 
+    from cedar.frontend.tools import ToolRegistry
+
     client = openai.OpenAI(base_url=base_url + "/v1", api_key="none")
-    tools = [{"type": "function", "function": {
-        "name": "read_file", "description": "Read a file of the repository.",
-        "parameters": {"type": "object", "properties": {"path": {"type": "string", "maxLength": 24}},
-                       "required": ["path"]}}}]
-    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Show me calc.py"}],
-                                       tools=tools, tool_choice="required", max_tokens=64, temperature=0)
+    tools = ToolRegistry.from_openai(DEMO_TOOLS).openai_tools()
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
+                                       tools=tools, tool_choice="auto", max_tokens=64, temperature=0)
     calls = r.choices[0].message.tool_calls or []
-    return "; ".join(f"{c.function.name}({c.function.arguments})" for c in calls) or "(no call)"
+    return "; ".join(f"{c.function.name}({c.function.arguments})" for c in calls) or \
+        f"(no call; text {r.choices[0].message.content!r})"
+
+
+def tests_pass(files: dict[str, str], test: str) -> bool:
+    """Run `test` in a fresh sandbox holding `files` (the session's files afterwards)."""
+    from .sandbox import Sandbox
+
+    with Sandbox() as box:
+        box.write_files(files)
+        return box.run_python(f"exec(open({test!r}).read())").startswith("exit 0")
 
 
 def run_demo(model_dir: Path) -> int:
@@ -35,12 +55,15 @@ def run_demo(model_dir: Path) -> int:
         cedar = info["internal_states"][0]["cedar"]
         print(f"[demo] server budgets {cedar['budget_bytes_per_token']} B/token; tool-call parser "
               f"{info.get('tool_call_parser')}; grammar backend {info.get('grammar_backend')}")
-        print("[demo] the coding agent on a small task (a forked parallel step first, a subagent at turn 2); "
-              "the shipped model has random weights, so its text is noise, but every call is well-formed:")
+        print("[demo] the coding agent on a small task (a forked parallel step first, a subagent at turn 2):")
+        print(f"[demo] task: {EXAMPLE_TASK['instruction']}")
         result = run_agent("coding", backend)
         print_transcript(result)
-        print(f"[demo] files after the session: {json.dumps(sorted(result['files_after']))}")
-        print(f"[demo] OpenAI client, tool_choice=required: {openai_tool_call(backend.base_url, str(model_dir))}")
+        files = result["files_after"]
+        print(f"[demo] calc.py after the session:\n{files.get('calc.py', '(missing)')}")
+        print(f"[demo] test_calc.py passes now: {tests_pass(files, 'test_calc.py')}")
+        print(f"[demo] OpenAI client, tool_choice=auto, 'What time is it in Oslo?': "
+              f"{openai_tool_call(backend.base_url, str(model_dir))}")
         state = backend.server_info()["internal_states"][0]["cedar"]
         print(f"[demo] replayed tokens in total: {state['replayed_tokens_total']}; pool integrity ok: "
               f"{state['integrity']['tokens_ok']}")

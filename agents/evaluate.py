@@ -52,11 +52,17 @@ def run_tasks(backend, tasks: list[Task], tokenizer=None, log=print) -> dict:
             k["failures"].append({"expect": task.expect, "got": (result.get("session") or {}).get("answer")
                                   if "session" in result else result.get("error", result.get("scores", {}).get("per_task"))})
         if task.kind == "recall" and tokenizer is not None and "text" in result:
-            k["distances"].append(recall_distance(result["text"], task.expect["answer"], tokenizer))
+            d = recall_distance(result["text"], task.expect["answer"], tokenizer)
+            k["distances"].append(d)
+            if d > 4 * W:
+                k["over_4W_tasks"] = k.get("over_4W_tasks", 0) + 1
+                k["over_4W_ok"] = k.get("over_4W_ok", 0) + ok
         if log and (i + 1) % 20 == 0:
             log(f"[evaluate] {i + 1}/{len(tasks)} tasks")
     for k in per_kind.values():
         k["success"] = round(k["ok"] / k["tasks"], 4) if k["tasks"] else 0.0
+        if k.get("over_4W_tasks"):
+            k["over_4W_success"] = round(k["over_4W_ok"] / k["over_4W_tasks"], 4)
         d = [x for x in k.pop("distances") if x >= 0]
         if d:
             k["distance_tokens"] = {"min": min(d), "median": sorted(d)[len(d) // 2], "max": max(d),

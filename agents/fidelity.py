@@ -8,14 +8,16 @@ Three modes; each approximation is compared with the exact reference separately:
     narrowed  replay the whole prefix, narrowing on             (decoder-side bounded replay)
 
 A case is a held-out session S (its tokens, as the endpoint sends them), a prompt end P at the
-start of an assistant turn and a hit H = P - NEW (the radix tree holds S[:H]). Per case and mode,
+start of an assistant turn and a hit H (the radix tree holds S[:H]): H = P - NEW, the hit the
+previous turn leaves, or H = W (the first bucket). Per case and mode,
 on a flushed cache with snapshots off: the prefix request S[:H] (1 token); then
 
 - greedy: S[:P] decoding 64 tokens (greedy agreement with the reference, position by position);
 - gold: snapshots on, S[:P] (1 token, the hit prefill whose state is kept), then S[:P + G] with
   prompt logprobs over the gold tokens S[P:P + G]: that request restores the kept state (nothing
   replayed), so its next-token distributions are those the hit prefill left. From them: KL(ref ||
-  mode) over the whole vocabulary per gold position, and the change of the gold log-likelihood.
+  mode) per gold position over the reference's TOP most likely tokens (see `kl`; the report gives
+  the mass they cover), and the change of the gold log-likelihood.
 
 Zero-difference controls: hits with H <= W (bounded replays the whole prefix: bit-identical), and
 snapshot continuations (a cold S[:P], then S[:P + G] restored: no replay in any mode).
@@ -34,6 +36,7 @@ from .evaluate import run_tasks
 
 W = 128
 G = 64  # gold / greedy tokens after the prompt
+TOP = 20  # next-token candidates per position the KL is taken over (the reference's most likely)
 NEW = 64  # tokens of a case's prompt past its hit
 MODES = {"exact": {"cedar_replay_exact": 1, "cedar_narrow": 0},
          "bounded": {"cedar_replay_exact": 0, "cedar_narrow": 0},
@@ -61,16 +64,15 @@ class Server:
         return self._ok(self.srv.post("/generate", {"input_ids": ids, "sampling_params": {
             "max_new_tokens": new, "temperature": 0, "ignore_eos": True}, **extra}))
 
-    def gold(self, ids: list[int], P: int) -> tuple[np.ndarray, np.ndarray, dict]:
-        """Prompt logprobs of ids[P:]: (G, V) log-distributions and (G,) gold logprobs."""
-        out = self.generate(ids, 1, return_logprob=True, logprob_start_len=P - 1, top_logprobs_num=self.vocab)
+    def gold(self, ids: list[int], P: int) -> tuple[dict, np.ndarray, dict]:
+        """Prompt logprobs of ids[P:]: per gold position the TOP most likely next tokens with their
+        logprobs ({"ids": (n, TOP), "lp": (n, TOP)}) and (n,) logprobs of the gold tokens."""
+        out = self.generate(ids, 1, return_logprob=True, logprob_start_len=P - 1, top_logprobs_num=TOP)
         meta = out["meta_info"]
         n = len(ids) - P
         tops = meta["input_top_logprobs"][-n:]
-        dist = np.full((n, self.vocab), -np.inf)
-        for j, row in enumerate(tops):
-            for lp, tid, *_ in row:
-                dist[j, tid] = lp
+        dist = {"ids": np.array([[tid for _, tid, *_ in row] for row in tops], dtype=np.int64),
+                "lp": np.array([[lp for lp, *_ in row] for row in tops], dtype=np.float64)}
         gold = np.array([lp for lp, *_ in meta["input_token_logprobs"][-n:]], dtype=np.float64)
         return dist, gold, meta
 
@@ -90,12 +92,13 @@ def cases(sessions: list[list[int]], assistant_id: int, per_bucket: int, seed: i
     for s, ids in enumerate(sessions):
         for P in [i + 1 for i, t in enumerate(ids) if t == assistant_id]:
             P -= P % 2
-            H = P - NEW
-            if H <= 0 or P + G > len(ids):
+            if P + G > len(ids):
                 continue
-            for name, lo, hi in BUCKETS:
-                if lo < H <= hi:
-                    pool[name].append({"session": s, "P": P, "H": H, "bucket": name})
+            # the hit a previous turn leaves (NEW tokens back), and a hit of exactly W tokens
+            for H in {P - NEW, W}:
+                for name, lo, hi in BUCKETS:
+                    if lo < H <= hi and H <= P - NEW:
+                        pool[name].append({"session": s, "P": P, "H": H, "bucket": name})
     out = []
     for name in pool:
         rng.shuffle(pool[name])
@@ -127,18 +130,28 @@ def run_case(server: Server, ids: list[int], case: dict, mode: str, hit: bool = 
             "restored": meta.get("restored_tokens")}
 
 
-def kl(ref: np.ndarray, other: np.ndarray) -> np.ndarray:
-    """(n, V) log-distributions -> (n,) KL(ref || other) in nats (tokens outside ref's support add 0)."""
-    p = np.exp(ref)
-    diff = np.where(p > 0, ref - np.where(np.isfinite(other), other, -1e4), 0.0)
-    return np.maximum((p * diff).sum(-1), 0.0)
+def kl(ref: dict, other: dict) -> tuple[np.ndarray, np.ndarray]:
+    """KL(ref || other) per position over ref's TOP most likely tokens (their mass renormalised
+    out of nothing: the sum runs over those tokens only), and the mass those tokens cover.
+    A token missing from other's TOP gets other's smallest listed logprob (an upper bound on its
+    logprob: the term is then a lower bound). Identical inputs give exactly 0."""
+    out = np.zeros(len(ref["lp"]))
+    for j, (ids, lps) in enumerate(zip(ref["ids"], ref["lp"])):
+        theirs = dict(zip(other["ids"][j].tolist(), other["lp"][j].tolist()))
+        floor = min(theirs.values())
+        q = np.array([theirs.get(t, floor) for t in ids.tolist()])
+        out[j] = max(float((np.exp(lps) * (lps - q)).sum()), 0.0)
+    return out, np.exp(ref["lp"]).sum(-1)
 
 
 def compare(ref: dict, other: dict) -> dict:
-    k = kl(ref["dist"], other["dist"])
+    k, mass = kl(ref["dist"], other["dist"])
     agree = float(np.mean([a == b for a, b in zip(ref["greedy"], other["greedy"])]))
-    return {"kl": k.tolist(), "dll": float(other["gold"].sum() - ref["gold"].sum()) / len(ref["gold"]),
-            "agree": agree, "identical": bool(np.array_equal(ref["dist"], other["dist"]) and ref["greedy"] == other["greedy"])}
+    same = all(np.array_equal(ref["dist"][x], other["dist"][x]) for x in ("ids", "lp")) and \
+        np.array_equal(ref["gold"], other["gold"]) and ref["greedy"] == other["greedy"]
+    return {"kl": k.tolist(), "mass": float(mass.mean()),
+            "dll": float(other["gold"].sum() - ref["gold"].sum()) / len(ref["gold"]),
+            "agree": agree, "identical": bool(same)}
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -146,6 +159,7 @@ def summarize(rows: list[dict]) -> dict:
         return {"cases": 0}
     k = np.concatenate([r["kl"] for r in rows])
     return {"cases": len(rows), "kl_mean": float(k.mean()), "kl_p99": float(np.quantile(k, 0.99)),
+            "top_mass": float(np.mean([r["mass"] for r in rows])),
             "dll_per_token_mean": float(np.mean([r["dll"] for r in rows])),
             "greedy_agreement": float(np.mean([r["agree"] for r in rows])),
             "identical_cases": int(sum(r["identical"] for r in rows))}
@@ -171,7 +185,7 @@ def fidelity_report(srv, sessions: list[list[int]], assistant_id: int, vocab: in
         ids = sessions[case["session"]]
         runs = {m: run_case(server, ids, case, m, hit=False) for m in ("exact", "bounded")}
         controls.append(compare(runs["exact"], runs["bounded"]) | {"restored": runs["bounded"]["restored"]})
-    report = {"W": W, "G": G, "new_tokens": NEW, "modes": MODES,
+    report = {"W": W, "G": G, "top": TOP, "new_tokens": NEW, "modes": MODES,
               "approximations": {m: {b: summarize(rows) for b, rows in per.items()} for m, per in table.items()},
               "snapshot_continuation": summarize(controls) | {"restored": [c["restored"] for c in controls]},
               "cases": picked}
