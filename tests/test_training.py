@@ -127,3 +127,25 @@ def test_a_short_training_run_lowers_the_loss_and_resumes_exactly(small_corpus, 
     assert [p["loss"] for p in curve_b["train"]] == losses
     for (name, p), q in zip(model.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(p, q), name
+
+
+def test_cedar_train_writes_a_model_folder_and_resumes(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from cedar.backend.model_io import load_model
+
+    cmd = [sys.executable, "-m", "cedar.backend.cli", "train", "--out", str(tmp_path), "--steps", "4", "--batch", "1",
+           "--seq-len", "256", "--scale", "0.003", "--eval-every", "2", "--checkpoint-every", "2", "--no-progress"]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-2000:]
+    model = load_model(tmp_path / "model")
+    assert model.cfg.vocab_size == 2048 and model.cfg.name == "cedar-agent"
+    curve = json.loads((tmp_path / "loss_curve.json").read_text())
+    assert len(curve["train"]) == 4 and [p["step"] for p in curve["heldout"]] == [2, 4]
+    assert (tmp_path / "loss_curve.png").stat().st_size > 0
+    summary = json.loads((tmp_path / "model" / "training.json").read_text())
+    assert summary["steps"] == 4 and summary["command"].startswith("cedar train --out")
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)  # resumes at step 4: nothing left
+    assert again.returncode == 0 and json.loads((tmp_path / "loss_curve.json").read_text())["train"] == curve["train"]

@@ -47,7 +47,7 @@ class ScriptedBackend(BaseBackend):
         super().__init__()
         self.chat_template = register()
         self.queues = {k: deque(v) for k, v in script.items()}
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # NOTE: end_program may run from a GC'd executor's __del__
         self.finished: list[str] = []  # final texts of finished programs
         self.latest: dict[int, str] = {}  # executor id -> its text after its last gen
 
