@@ -30,11 +30,14 @@ def step(s, registry: ToolRegistry, var: str, names: list[str] | None = None, te
     s += sgl.assistant_begin()
     s += "Thought: "
     if thought is None:
-        s += sgl.gen(f"{var}_thought", regex=THOUGHT_REGEX, max_tokens=THOUGHT_CHARS + 1, temperature=temperature)
-        thought = s[f"{var}_thought"]
+        # NOTE: the gen includes the newline that ends a thought: a model ends its thought by writing
+        # it, and a grammar without it could only stop at THOUGHT_CHARS (a trained model, denied
+        # its newline, writes filler until then)
+        s += sgl.gen(f"{var}_thought", regex=THOUGHT_REGEX + "\n", max_tokens=THOUGHT_CHARS + 2,
+                     temperature=temperature)
+        thought = s[f"{var}_thought"].rstrip("\n")
     else:
-        s += thought
-    s += "\n"
+        s += thought + "\n"
     call = gen_call(s, registry, var, names=names, temperature=temperature)
     s += sgl.assistant_end()
     obs = observe(s, registry, call)

@@ -37,7 +37,7 @@ from .tasks import GENERATORS, Task
 TRAIN_MIX = {"react": 2400, "recall": 1400, "coding": 1300, "function-calling": 2400, "parallel": 500, "subagents": 500}
 HELDOUT = {"react": 40, "recall": 40, "coding": 30, "function-calling": 40, "parallel": 15, "subagents": 15}
 PLAIN_SHARE = 0.1  # share of characters from plain code
-GEN_PIECES = re.compile("(Thought: )([^\n<]*)(\n)|(" + re.escape(CALL_HEAD) + ")(.*?)(" + re.escape(CALL_MID) + ")(.*?)("
+GEN_PIECES = re.compile("(Thought: )([^\n<]*\n)()|(" + re.escape(CALL_HEAD) + ")(.*?)(" + re.escape(CALL_MID) + ")(.*?)("
                         + re.escape(CALL_TAIL) + ")", re.S)
 
 
@@ -168,7 +168,7 @@ def tokenize_corpus(sessions: list[dict], tokenizer_dir: Path) -> dict[str, np.n
 def split_at_gens(text: str) -> list[str]:
     """A session cut where its gens start and end: [context, gen, context, gen, ..., context].
 
-    Gens are a thought (after "Thought: ", up to the newline), a tool name (between CALL_HEAD
+    Gens are a thought (after "Thought: ", up to and with its newline), a tool name (between CALL_HEAD
     and CALL_MID) and its arguments (between CALL_MID and CALL_TAIL); everything else is context
     and is tokenized in one piece between two gens, as the endpoint sends it."""
     out, last = [], 0

@@ -52,8 +52,9 @@ def call(name_: str, args: dict) -> list[str]:
 
 
 def thought(text: str) -> str:
+    """A thought gen's answer: at most 60 characters without '<', ended by its newline."""
     text = text.replace("<", "").replace("\n", " ")
-    return text[:60].rstrip() or "next step"
+    return (text[:60].rstrip() or "next step") + "\n"
 
 
 def sentence(rng: random.Random) -> str:
