@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from cedar.frontend.endpoint import RequestRecord
-from cedar.frontend.server import DEFAULT_MODEL_DIR, connect
+from cedar.frontend.server import DEFAULT_MODEL_DIR, connect, serve
 from cedar.frontend.session import format_table
 
 
@@ -100,15 +100,10 @@ def _heldout(seed: int, kinds: list[str] | None, limit: int | None):
 def _server(args):
     """A running server (--server URL) or `cedar serve` on --model for the block; yields an
     object with `.url` and `.post(path, payload)`."""
-    from cedar.backend.demo import ensure_model
-    from cedar.backend.serving.launch import ServeConfig
-    from cedar.backend.serving.process import ServerProcess, free_port
-
     if args.server:
         yield RemoteServer(args.server.rstrip("/"))
         return
-    ensure_model(Path(args.model))
-    with ServerProcess(ServeConfig(model=args.model, port=free_port())) as srv:
+    with serve(args.model) as srv:
         yield srv
 
 
@@ -120,6 +115,8 @@ def _model_info(url: str) -> dict:
 
 
 class RemoteServer:
+    """An already running server, with `ServerProcess`'s `.url` / `.post` (nothing to start)."""
+
     def __init__(self, url: str) -> None:
         self.url = url
 
@@ -154,10 +151,11 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def _cmd_fidelity(args: argparse.Namespace) -> int:
-    from .corpus.build import run_scripted, tokenize_corpus
-    from .fidelity import fidelity_report, plot, table_markdown
-
+    from cedar.backend.config import CEDConfig
     from cedar.backend.tokenizer import ROLE_MARKERS, special_token_ids
+
+    from .corpus.build import run_scripted, token_sessions
+    from .fidelity import fidelity_report, plot, table_markdown
 
     tasks = _heldout(args.seed, None, None)
     texts = [{"kind": t.kind, "text": x} for t in tasks if t.kind in ("react", "recall", "coding", "function-calling")
@@ -165,10 +163,8 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
     with _server(args) as srv:
         info = _model_info(srv.url)
         tok_dir = Path(info["tokenizer_path"])
-        arrays = tokenize_corpus(texts, tok_dir)
-        starts = arrays["doc_start"].tolist()
-        sessions = [arrays["ids"][a:b].astype(int).tolist() for a, b in zip(starts[:-1], starts[1:])]
-        vocab = json.loads((tok_dir / "config.json").read_text())["vocab_size"]
+        sessions = token_sessions(texts, tok_dir)
+        vocab = CEDConfig.load(tok_dir).vocab_size
         react = [t for t in tasks if t.kind in ("react", "recall")][: args.tasks]
         report = fidelity_report(srv, sessions, special_token_ids(tok_dir)[ROLE_MARKERS["assistant"]], vocab,
                                  args.per_bucket, tasks=react, seed=args.seed)

@@ -14,7 +14,6 @@ greedy.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from cedar.frontend.tools import ToolRegistry
 
@@ -26,14 +25,19 @@ from .runs import AGENTS
 W = 128
 
 
-def load_heldout(path: Path) -> list[Task]:
-    return [Task(d["agent"], d["kind"], d["inputs"], {}, d["expect"]) for d in json.loads(Path(path).read_text())]
-
-
 def recall_distance(text: str, value: str, tokenizer) -> int:
     """Tokens from the end of the value's first appearance to the end of the session."""
     at = text.find(value)
     return len(tokenizer.encode(text[at + len(value):]).ids) if at >= 0 else -1
+
+
+def what_it_did(result: dict):
+    """A failed run in brief: the session's answer, the scored calls, or the error."""
+    if "session" in result:
+        return result["session"].get("answer")
+    if "scores" in result:
+        return result["scores"]["per_task"]
+    return result.get("error")
 
 
 def run_tasks(backend, tasks: list[Task], tokenizer=None, log=print) -> dict:
@@ -49,8 +53,7 @@ def run_tasks(backend, tasks: list[Task], tokenizer=None, log=print) -> dict:
         k["tasks"] += 1
         k["ok"] += ok
         if not ok and len(k["failures"]) < 3:
-            k["failures"].append({"expect": task.expect, "got": (result.get("session") or {}).get("answer")
-                                  if "session" in result else result.get("error", result.get("scores", {}).get("per_task"))})
+            k["failures"].append({"expect": task.expect, "got": what_it_did(result)})
         if task.kind == "recall" and tokenizer is not None and "text" in result:
             d = recall_distance(result["text"], task.expect["answer"], tokenizer)
             k["distances"].append(d)

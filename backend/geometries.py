@@ -1,7 +1,10 @@
-"""Named geometries: ``v41-flash`` (the reference layout of SPEC section 1, for byte accounting)
-and ``cedar-tiny`` (the shipped model, sized for 2 CPU cores with every role present)."""
+"""Named geometries: ``v41-flash`` (the reference layout of SPEC section 1, for byte accounting),
+``cedar-tiny`` (the random-init test model, sized for 2 CPU cores with every role present) and
+``cedar-agent`` (the trained, shipped model: cedar-tiny's roles, wider)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from .config import CEDConfig
 
@@ -35,14 +38,8 @@ def cedar_tiny(vocab_size: int = 512, bos: int = 0, eos: tuple[int, ...] = (1,),
 def cedar_agent(vocab_size: int = 2048, bos: int = 0, eos: tuple[int, ...] = (1,), pad: int = 2) -> CEDConfig:
     """The trained, shipped model: cedar-tiny's layer roles at hidden 256 and a 2,048-token
     vocabulary; top-k 32 so a recall far outside the window has room among the selected entries."""
-    return CEDConfig(
-        name="cedar-agent", vocab_size=vocab_size, hidden_size=256, intermediate_size=512,
-        num_hidden_layers=8, num_attention_heads=4, kv_latent_dim=64, rope_dim=16,
-        index_head_dim=32, index_num_heads=2, index_topk=32, compress_ratios=(0, 2, 2, 2, 1, 1, 1, 1),
-        kv_source_layer_ids=(1, 4), index_source_layer_ids=(1, 4, 6), sliding_window=128,
-        page_size=2, max_position_embeddings=16384, bos_token_id=bos, eos_token_ids=eos,
-        pad_token_id=pad,
-    )
+    return replace(cedar_tiny(vocab_size, bos, eos, pad), name="cedar-agent", hidden_size=256,
+                   intermediate_size=512, index_topk=32)
 
 
 GEOMETRIES = {"v41-flash": v41_flash, "cedar-tiny": cedar_tiny, "cedar-agent": cedar_agent}

@@ -1,1 +1,5 @@
 """cedar.frontend"""
+
+from .executor_fix import install as _install_executor_fix
+
+_install_executor_fix()

@@ -32,26 +32,6 @@ from .chat import TEMPLATE_NAME, register
 LEDGER_ENTRIES = 1024
 
 
-def _install_safe_executor_del() -> None:
-    """SGLang's `StreamExecutor.__del__` calls `end()`, whose `Thread.is_alive()` deadlocks when the
-    cyclic GC runs it inside threading's bookkeeping of a thread being started (seen: a subagent
-    started from a tool thread hung forever in `Thread.start`; `_maintain_shutdown_locks` holds
-    `_shutdown_locks_lock` and `is_alive` -> `_stop` waits for it). A collected executor is
-    unreachable, so stopping its worker through its queue is enough: no thread call needed."""
-    from sglang.lang.interpreter import StreamExecutor
-
-    def __del__(self):  # noqa: N807
-        if getattr(self, "use_thread", False) and getattr(self, "queue", None) is not None:
-            self.queue.put(None)
-        backend = getattr(self, "backend", None)
-        if backend is not None:
-            backend.end_program(self)
-
-    StreamExecutor.__del__ = __del__
-
-
-_install_safe_executor_del()
-
 
 @dataclass(frozen=True)
 class RequestRecord:

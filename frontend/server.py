@@ -20,6 +20,15 @@ def connect(url: str | None = None, model: str | Path | None = None, serve_args:
     if url:
         yield CedarEndpoint(url.rstrip("/"), api_key=api_key)
         return
+    with serve(model, serve_args, log_path) as srv:
+        yield CedarEndpoint(srv.url, api_key=api_key)
+
+
+@contextlib.contextmanager
+def serve(model: str | Path | None = None, serve_args: tuple[str, ...] = (),
+          log_path: Path | None = None):
+    """`cedar serve` on `model` (default: the shipped model) in a child process for the block;
+    yields the `ServerProcess` (`.url`, `.post(path, payload)`)."""
     from cedar.backend.demo import ensure_model
     from cedar.backend.serving.launch import ServeConfig
     from cedar.backend.serving.process import ServerProcess, free_port
@@ -28,4 +37,4 @@ def connect(url: str | None = None, model: str | Path | None = None, serve_args:
     ensure_model(model_dir)
     cfg = ServeConfig(model=str(model_dir), port=free_port(), extra=tuple(serve_args))
     with ServerProcess(cfg, log_path=log_path) as srv:
-        yield CedarEndpoint(srv.url, api_key=api_key)
+        yield srv

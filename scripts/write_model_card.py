@@ -42,7 +42,6 @@ def main(model_dir: str, eval_json: str, fidelity_json: str) -> None:
     tasks = ev["tasks"]
     rows = "\n".join(f"| {k} | {v['ok']}/{v['tasks']} | {pct(v['success'])} |" for k, v in tasks.items())
     recall = tasks.get("recall", {})
-    dist = recall.get("distance_tokens", {})
     u = ev["unconstrained_calls"]
     held = tr["heldout"] or {}
     task_modes = fid.get("tasks", {})
@@ -51,7 +50,8 @@ def main(model_dir: str, eval_json: str, fidelity_json: str) -> None:
     task_modes_text = ("Task success with and without hits (held-out ReAct / recall tasks):\n\n| served as | success |\n"
                        "|---|---|\n" + mode_rows) if task_modes else (
         "Task success with and without hits was not measured for this model: it solves no held-out task "
-        "in any mode (see Figures), so the comparison would read 0% against 0%.")
+        "(figures in `models/cedar-agent/README.md`), so the comparison would read 0% against 0%; "
+        "`cedar fidelity --tasks N` runs it.")
     gold = gold_recall_distances(model_dir, recall.get("tasks", 10))
     card = f"""---
 license: other  # the Cedar repository's terms; training text: generated, plus Python stdlib source (PSF-2.0)
@@ -146,10 +146,10 @@ Next-token distributions after a hit, through the served path, against exact rep
 """
     (model_dir / "README.md").write_text(card)
     print(f"wrote {model_dir / 'README.md'}")
-    write_fidelity_doc(fid, mode_rows, Path("docs/fidelity.md"))
+    write_fidelity_doc(fid, task_modes_text, Path("docs/fidelity.md"))
 
 
-def write_fidelity_doc(fid: dict, mode_rows: str, path: Path) -> None:
+def write_fidelity_doc(fid: dict, task_modes_text: str, path: Path) -> None:
     doc = f"""# Fidelity of bounded replay: measured
 
 Produced by `{fid.get('command', 'cedar fidelity')}` on the shipped model (`models/cedar-agent`),
@@ -176,7 +176,7 @@ The zero-difference controls are exact zeros, bit for bit: hits of at most W tok
 replay then replays the whole prefix) and snapshot continuations (a cold prompt, then its
 continuation restored from the snapshot: nothing is replayed in any mode).
 
-{"Task success, held-out ReAct and recall tasks, every turn a hit (snapshots off) or continued exactly (snapshots on):" + chr(10) + chr(10) + "| served as | success |" + chr(10) + "|---|---|" + chr(10) + mode_rows if mode_rows else "Task success with and without hits: not measured for the shipped model, which solves no held-out task yet (`models/cedar-agent/README.md`); `cedar fidelity --tasks N` runs it."}
+{task_modes_text}
 """
     path.write_text(doc)
     print(f"wrote {path}")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import start_server, wait_idle_and_check
 
-from cedar.agents.corpus.build import HELDOUT, make_tasks, run_scripted, tokenize_corpus
+from cedar.agents.corpus.build import HELDOUT, make_tasks, run_scripted, token_sessions, tokenize_corpus
 from cedar.agents.runs import AGENTS
 from cedar.backend.cli import DEFAULT_MODEL_DIR
 from cedar.backend.config import CEDConfig
@@ -87,9 +87,7 @@ def test_fidelity_zero_difference_cases_are_exactly_zero(shipped_server):
 
     tasks = make_tasks(0, "heldout", {"recall": 2, "react": 2})
     texts = [{"kind": t.kind, "text": run_scripted(t)[0]} for t in tasks]
-    arrays = tokenize_corpus(texts, MODEL)
-    s = arrays["doc_start"].tolist()
-    sessions = [arrays["ids"][a:b].astype(int).tolist() for a, b in zip(s[:-1], s[1:])]
+    sessions = token_sessions(texts, MODEL)
     cfg = CEDConfig.load(MODEL)
     report = fidelity_report(shipped_server, sessions, special_token_ids(MODEL)[ROLE_MARKERS["assistant"]],
                              cfg.vocab_size, per_bucket=1, log=None)

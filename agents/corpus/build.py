@@ -165,6 +165,13 @@ def tokenize_corpus(sessions: list[dict], tokenizer_dir: Path) -> dict[str, np.n
     return {"ids": np.concatenate(ids_all), "weight": np.concatenate(weights), "doc_start": np.asarray(starts, np.int64)}
 
 
+def token_sessions(sessions: list[dict], tokenizer_dir: Path) -> list[list[int]]:
+    """Each session's token ids (as `tokenize_corpus` cuts and tokenizes them), one list apiece."""
+    arrays = tokenize_corpus(sessions, tokenizer_dir)
+    starts = arrays["doc_start"].tolist()
+    return [arrays["ids"][a:b].astype(int).tolist() for a, b in zip(starts[:-1], starts[1:])]
+
+
 def split_at_gens(text: str) -> list[str]:
     """A session cut where its gens start and end: [context, gen, context, gen, ..., context].
 

@@ -23,18 +23,10 @@ from cedar.backend.tokenizer import build_tokenizer, generation_eos_token_ids, s
 from cedar.backend.training.trainer import TrainConfig, train
 
 from .build import build_corpus, load_sessions, run_scripted, save_corpus, tokenize_corpus
-from .tasks import GENERATORS, Task
 
 VOCAB = 2048
 CONTEXT = 16384
 TOKENIZER_SAMPLE = 4000  # sessions the BPE is trained on
-
-
-def heldout_tasks(corpus_dir: Path) -> list[Task]:
-    """The held-out tasks as `Task`s again (inputs + expect; their scripts re-made from the seed
-    are not needed: `run_scripted` needs them only for the held-out loss texts)."""
-    return [Task(d["agent"], d["kind"], d["inputs"], {}, d["expect"])
-            for d in json.loads((corpus_dir / "heldout.json").read_text())]
 
 
 def prepare(out: Path, seed: int, scale: float, log=print) -> tuple[dict, dict]:
@@ -112,5 +104,3 @@ def register(sub) -> None:
     p.add_argument("--export", action="store_true", help="only write the latest checkpoint to DIR/model")
     p.set_defaults(fn=_cmd_train)
 
-
-__all__ = ["register", "GENERATORS"]

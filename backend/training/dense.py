@@ -92,6 +92,7 @@ class DenseForward:
         m, cfg = self.model, self.cfg
         B, n = ids.shape
         pos = torch.arange(start, start + n, dtype=torch.long)
+        flat_pos = pos.repeat(B)  # (B * n,) the rows' positions, batch-major
         h = m.embed_tokens(ids).float()
         E = cfg.decoder_start
         enc_mask = self._window_mask(pos, doc, floor=None)
@@ -106,8 +107,8 @@ class DenseForward:
                 entries[i] = self._entries(layer.compressor, h, pos, doc, prefix[0][i] if prefix else None,
                                            prefix[1] if prefix else 0)
             hn = layer.attn_norm(h.reshape(B * n, -1))
-            q = layer.queries(hn, pos.repeat(B)).view(B, n, layer.num_heads, layer.latent)
-            kv = layer.window_kv(hn, pos.repeat(B)).view(B, n, layer.latent)
+            q = layer.queries(hn, flat_pos).view(B, n, layer.num_heads, layer.latent)
+            kv = layer.window_kv(hn, flat_pos).view(B, n, layer.latent)
             source = cfg.kv_source_of(i)
             glob = None
             if source is not None:
@@ -128,7 +129,7 @@ class DenseForward:
                 glob = (ent, visible, selections[cfg.topk_source_of(i)])
             mask = dec_mask if i > E else enc_mask
             o = self._attention(q, kv, mask, layer.sink, layer.scale, glob, plan.dense_global)
-            h = h + layer.attn_output(o.reshape(B * n, layer.num_heads, layer.latent), pos.repeat(B)).view(B, n, -1)
+            h = h + layer.attn_output(o.reshape(B * n, layer.num_heads, layer.latent), flat_pos).view(B, n, -1)
             h = h + layer.mlp(layer.mlp_norm(h))
         logits = m.lm_head(m.norm(h)).float()
         return PassOutput(logits, entries, aux)

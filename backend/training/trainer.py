@@ -118,20 +118,25 @@ def step_plan(tc: TrainConfig, step: int, seq_len: int, W: int) -> Plan:
     return Plan(dense_global=dense)
 
 
+def token_losses(logits: torch.Tensor, ids: torch.Tensor, doc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (B, T, V), ids, doc (B, T) -> next-token CE (B, T-1) and the mask of real targets
+    (same document as the row before it, not padding)."""
+    valid = (doc[:, 1:] >= 0) & (doc[:, 1:] == doc[:, :-1])
+    ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
+    return ce.view_as(valid), valid
+
+
 def loss_of(forward: DenseForward, ids, doc, weight, plan: Plan, tc: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted next-token loss (and the plain mean over real tokens, for reporting)."""
     logits, aux = forward.run(ids, doc, plan)
-    target = ids[:, 1:]
-    valid = (doc[:, 1:] >= 0) & (doc[:, 1:] == doc[:, :-1])
+    ce, valid = token_losses(logits, ids, doc)
     w = torch.where(weight[:, 1:] > 0, 1.0, tc.context_weight) * valid
-    ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
-    ce = ce.view_as(w)
     total = (ce * w).sum() / w.sum().clamp_min(1) + tc.aux_weight * aux
     return total, ((ce * valid).sum() / valid.sum().clamp_min(1)).detach()
 
 
 @torch.no_grad()
-def evaluate(model: CEDModel, arrays: dict, tc: TrainConfig, pad_id: int, max_rows: int = 8) -> dict:
+def heldout_loss(model: CEDModel, arrays: dict, tc: TrainConfig, pad_id: int, max_rows: int = 8) -> dict:
     """Mean next-token loss over real tokens and over assistant tokens of held-out rows (cold)."""
     rows = pack_rows(arrays["doc_start"], tc.seq_len)[:max_rows]
     fwd = DenseForward(model)
@@ -139,9 +144,7 @@ def evaluate(model: CEDModel, arrays: dict, tc: TrainConfig, pad_id: int, max_ro
     for i in range(0, len(rows), tc.batch):
         ids, doc, w = make_batch(arrays, rows, list(range(i, min(i + tc.batch, len(rows)))), tc.seq_len, pad_id)
         logits, _ = fwd.run(ids, doc, Plan())
-        valid = (doc[:, 1:] >= 0) & (doc[:, 1:] == doc[:, :-1])
-        ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                             reduction="none").view_as(valid)
+        ce, valid = token_losses(logits, ids, doc)
         a = valid & (w[:, 1:] > 0)
         tot, n = tot + float((ce * valid).sum()), n + float(valid.sum())
         ast, na = ast + float((ce * a).sum()), na + float(a.sum())
@@ -205,7 +208,7 @@ def train(cfg: CEDConfig, arrays: dict, heldout: dict | None, tc: TrainConfig, o
         done = step + 1
         if heldout is not None and (done % tc.eval_every == 0 or done == tc.steps):
             model.eval()
-            curve["heldout"].append({"step": done, **evaluate(model, heldout, tc, cfg.pad_token_id)})
+            curve["heldout"].append({"step": done, **heldout_loss(model, heldout, tc, cfg.pad_token_id)})
             model.train()
         if done % tc.checkpoint_every == 0 or done in (tc.steps, until):
             curve["seconds"] = time.time() - t0
