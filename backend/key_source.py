@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from cedar.kernels.plans import GlobalPlan, PoolPlan, RingPlan, WindowPlan
+
 from .cache import SequenceCache
 from .compressor import Compressor, split_groups
 from .kv_codec import KVCodec
@@ -27,10 +29,11 @@ from .rows import DecoderRows, RowBatch, cu_seqlens
 
 @dataclass(frozen=True)
 class GlobalView:
-    entries: Tensor  # (Nc, D) f32 dequantized global rows, request b in rows cu[b]:cu[b+1]
-    index_keys: Tensor  # (Nc, Di) f32 dequantized index keys
+    entries: Tensor | None  # (Nc, D) f32 dequantized global rows, request b in rows cu[b]:cu[b+1]
+    index_keys: Tensor | None  # (Nc, Di) f32 dequantized index keys (both None: read in place)
     entry_pos: Tensor  # (Nc,) int64: position from which each entry is visible
     cu: Tensor  # (B + 1,) int32
+    plan: GlobalPlan | PoolPlan | None = None  # how the batched kernels read it (served path)
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,8 @@ class WindowKeys:
     keys: Tensor  # (N, D) f32 window keys (= values), request b in rows cu[b]:cu[b+1]
     pos: Tensor  # (N,) int64 key positions
     cu: Tensor  # (B + 1,) int32
+    plan: WindowPlan | RingPlan | None = None  # where each query block's keys sit (served path);
+    # with a RingPlan the kernel reads the rings in place and keys / pos are empty
 
 
 class KeySource:

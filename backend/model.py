@@ -48,6 +48,11 @@ class CEDModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
+    def use_kernels(self, kernels: KernelSet) -> "CEDModel":
+        """Run on another kernel set (the weights stay); returns self."""
+        self.kernels, self.codec = kernels, KVCodec(kernels, self.codec.quantize)
+        return self
+
     # ------------------------------------------------------------------ public entry points
     @torch.no_grad()
     def forward(self, input_ids: Tensor) -> Tensor:
@@ -91,7 +96,8 @@ class CEDModel(nn.Module):
         # row; its attention and every later layer run on the decoder rows only.
         src = self.layers[E]
         keys.write_global(E, src.compressor, h, batch)
-        wk = keys.window_keys(E, src.window_kv(src.attn_norm(h), batch.pos), batch)
+        rope = batch.rope(self.cfg.kv_latent_dim, self.cfg.rope_dim, self.cfg.rope_theta)
+        wk = keys.window_keys(E, src.window_kv(src.attn_norm(h), rope), batch)
         dec = keys.decoder_rows(h, batch)
         if dec is None or dec.hidden.shape[0] == 0:  # every request stops at the cut
             return dec
@@ -109,25 +115,26 @@ class CEDModel(nn.Module):
                    selections: dict[int, Tensor], window: WindowKeys | None) -> Tensor:
         cfg, i, k = self.cfg, layer.layer_id, self.kernels
         cu, pos = batch.cu, batch.pos
+        rope = batch.rope(cfg.kv_latent_dim, cfg.rope_dim, cfg.rope_theta)
         if layer.compressor is not None and i != cfg.decoder_start:
             keys.write_global(i, layer.compressor, h, batch)
         hn = layer.attn_norm(h)
-        q = layer.queries(hn, pos)  # (T, H, D)
+        q = layer.queries(hn, rope)  # (T, H, D)
         if window is None:
-            window = keys.window_keys(i, layer.window_kv(hn, pos), batch)
+            window = keys.window_keys(i, layer.window_kv(hn, rope), batch)
         o, lse = k.window_attention(q, window.keys, cu, window.cu, pos, window.pos, cfg.sliding_window,
-                                    keys.window_floor(i), layer.sink.float(), layer.scale)
+                                    keys.window_floor(i), layer.sink.float(), layer.scale, plan=window.plan)
         source = cfg.kv_source_of(i)
         if source is not None:
             view = keys.global_view(source)
             if layer.has_indexer:
                 iq, iw = layer.index_queries(hn)
-                scores = k.indexer_scores(iq, iw, view.index_keys, cu, view.cu, pos, view.entry_pos)
+                scores = k.indexer_scores(iq, iw, view.index_keys, cu, view.cu, pos, view.entry_pos, plan=view.plan)
                 selections[i] = k.topk_select(scores, cfg.index_topk)
             og, lg = k.sparse_attention(q, view.entries, cu, view.cu, selections[cfg.topk_source_of(i)],
-                                        layer.scale)
+                                        layer.scale, plan=view.plan)
             o, lse = k.merge_states(o, lse, og, lg)
-        return layer.attn_output(o, pos)
+        return layer.attn_output(o, rope)
 
     def _check_ids(self, input_ids: Tensor) -> None:
         if input_ids.dim() != 1 or input_ids.numel() == 0:

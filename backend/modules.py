@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 
@@ -28,20 +30,47 @@ class SwiGLU(nn.Module):
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def apply_rope(x: Tensor, pos: Tensor, rope_dim: int, theta: float, inverse: bool = False) -> Tensor:
+@dataclass(frozen=True)
+class Rope:
+    """RoPE of a set of rows as tables, computed once per forward and reused by every layer:
+    ``x * cos + x[..., partner] * sin`` rotates the last ``rope_dim`` dims (rotate-half pairing);
+    the plain dims have cos 1, sin 0. Bit-identical to rotating pair by pair."""
+
+    cos: Tensor  # (T, D) float32
+    sin: Tensor  # (T, D) float32, signed for the forward rotation
+    sin_inverse: Tensor  # (T, D) float32, signed for the inverse rotation
+    partner: Tensor  # (D,) int64 the dim each dim pairs with (itself for a plain dim)
+    rope_dim: int
+
+    def partners(self, x: Tensor) -> Tensor:
+        """x[..., partner]; NOTE: where rope_dim divides D, swapping the halves of every
+        rope_dim-wide chunk is one flip (the plain chunks' swaps meet sin = 0)."""
+        D = x.shape[-1]
+        if D % self.rope_dim:
+            return x[..., self.partner]
+        return x.reshape(*x.shape[:-1], D // self.rope_dim, 2, self.rope_dim // 2).flip(-2).reshape(x.shape)
+
+    @classmethod
+    def of(cls, pos: Tensor, dim: int, rope_dim: int, theta: float) -> "Rope":
+        half, plain = rope_dim // 2, dim - rope_dim
+        freqs = theta ** (-torch.arange(half, dtype=torch.float64, device=pos.device) / half)  # (half,)
+        ang = pos.to(torch.float64)[:, None] * freqs[None, :]  # (T, half)
+        cos, sin = ang.cos().float(), ang.sin().float()
+        ones, zeros = cos.new_ones(pos.shape[0], plain), cos.new_zeros(pos.shape[0], plain)
+        d = torch.arange(dim, device=pos.device)
+        partner = torch.where(d < plain, d, torch.where(d < plain + half, d + half, d - half))
+        return cls(torch.cat([ones, cos, cos], 1), torch.cat([zeros, -sin, sin], 1),
+                   torch.cat([zeros, sin, -sin], 1), partner, rope_dim)
+
+
+def apply_rope(x: Tensor, pos: "Tensor | Rope", rope_dim: int, theta: float, inverse: bool = False) -> Tensor:
     """Rotate the last ``rope_dim`` dims of x by each row's position (rotate-half pairing).
 
-    x: (T, ..., D) float32; pos: (T,) int64. ``inverse`` rotates by -pos: since K = V carries the
-    rotation of its own position, the attention output is rotated back at the query's position.
+    x: (T, ..., D) float32; pos: (T,) int64 or its :class:`Rope` tables. ``inverse`` rotates by
+    -pos: since K = V carries the rotation of its own position, the attention output is rotated
+    back at the query's position.
     """
-    half = rope_dim // 2
-    freqs = theta ** (-torch.arange(half, dtype=torch.float64, device=x.device) / half)  # (half,)
-    ang = pos.to(torch.float64)[:, None] * freqs[None, :]  # (T, half)
-    cos, sin = ang.cos().float(), ang.sin().float()
-    if inverse:
-        sin = -sin
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
-    cos, sin = cos.view(shape), sin.view(shape)
-    plain, rot = x[..., : x.shape[-1] - rope_dim], x[..., x.shape[-1] - rope_dim:]
-    x1, x2 = rot[..., :half], rot[..., half:]
-    return torch.cat([plain, x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    rope = pos if isinstance(pos, Rope) else Rope.of(pos, x.shape[-1], rope_dim, theta)
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (x.shape[-1],)
+    sin = rope.sin_inverse if inverse else rope.sin
+    return x * rope.cos.view(shape) + rope.partners(x) * sin.view(shape)

@@ -8,6 +8,8 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
+from .modules import Rope
+
 
 def cu_seqlens(lens) -> Tensor:
     """(B,) counts -> (B + 1,) int32 offsets: request b owns rows cu[b]:cu[b + 1]."""
@@ -30,6 +32,14 @@ class RowBatch:
     @cached_property  # NOTE: read by every layer of a forward
     def cu(self) -> Tensor:  # (B + 1,) int32
         return cu_seqlens(self.lens)
+
+    def rope(self, dim: int, rope_dim: int, theta: float) -> Rope:
+        """The rows' RoPE tables, computed on first use and kept for every layer of the forward."""
+        cache = self.__dict__.setdefault("_rope", {})
+        key = (dim, rope_dim, theta)
+        if key not in cache:
+            cache[key] = Rope.of(self.pos, dim, rope_dim, theta)
+        return cache[key]
 
     def bounds(self, b: int) -> tuple[int, int]:
         s = sum(self.lens[:b])

@@ -17,27 +17,35 @@ from typing import Callable
 
 # op name -> backend -> "module:function" (relative to cedar.kernels)
 OPS: dict[str, dict[str, str]] = {
-    "fp4_quantize": {"torch": "fp4_ref:fp4_quantize", "triton": "fp4_triton:fp4_quantize"},
-    "fp4_dequantize": {"torch": "fp4_ref:fp4_dequantize", "triton": "fp4_triton:fp4_dequantize"},
-    "fp8_quantize": {"torch": "fp8_ref:fp8_quantize", "triton": "fp8_triton:fp8_quantize"},
+    "fp4_quantize": {"torch": "fp4_ref:fp4_quantize", "triton": "fp4_triton:fp4_quantize",
+                     "fast": "codec_fast:fp4_quantize"},
+    "fp4_dequantize": {"torch": "fp4_ref:fp4_dequantize", "triton": "fp4_triton:fp4_dequantize",
+                       "fast": "codec_fast:fp4_dequantize"},
+    "fp8_quantize": {"torch": "fp8_ref:fp8_quantize", "triton": "fp8_triton:fp8_quantize",
+                     "fast": "codec_fast:fp8_quantize"},
     "fp8_dequantize": {"torch": "fp8_ref:fp8_dequantize", "triton": "fp8_triton:fp8_dequantize"},
     "window_attention": {
         "torch": "window_attention_ref:window_attention",
         "triton": "window_attention_triton:window_attention",
+        "fast": "window_attention_fast:window_attention",
     },
     "indexer_scores": {
         "torch": "sparse_attention_ref:indexer_scores",
         "triton": "sparse_attention_triton:indexer_scores",
+        "fast": "sparse_attention_fast:indexer_scores",
     },
     "topk_select": {
         "torch": "sparse_attention_ref:topk_select",
         "triton": "sparse_attention_triton:topk_select",
+        "fast": "sparse_attention_fast:topk_select",
     },
     "sparse_attention": {
         "torch": "sparse_attention_ref:sparse_attention",
         "triton": "sparse_attention_triton:sparse_attention",
+        "fast": "sparse_attention_fast:sparse_attention",
     },
-    "merge_states": {"torch": "merge_ref:merge_states", "triton": "merge_triton:merge_states"},
+    "merge_states": {"torch": "merge_ref:merge_states", "triton": "merge_triton:merge_states",
+                     "fast": "merge_fast:merge_states"},
     "quantize_scatter_window": {
         "torch": "cache_write_ref:quantize_scatter_window",
         "triton": "cache_write_triton:quantize_scatter_window",
@@ -48,12 +56,12 @@ OPS: dict[str, dict[str, str]] = {
     },
 }
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "triton", "fast")
 
 
 def default_backend(device: str) -> str:
-    """Triton where a CUDA device runs the model, the torch twin everywhere else."""
-    return "triton" if str(device).startswith("cuda") else "torch"
+    """Triton where a CUDA device runs the model, the batched CPU ops (``*_fast``) elsewhere."""
+    return "triton" if str(device).startswith("cuda") else "fast"
 
 
 @functools.cache  # NOTE: every layer of every forward looks ops up through KernelSet
@@ -63,7 +71,8 @@ def resolve(op: str, backend: str) -> Callable:
         raise KeyError(f"unknown kernel op {op!r}; known: {sorted(OPS)}")
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; choose one of {BACKENDS}")
-    module_name, fn_name = OPS[op][backend].split(":")
+    # NOTE: the fast CPU backend only lists the ops it speeds up; the rest are the twins
+    module_name, fn_name = OPS[op].get(backend, OPS[op]["torch"]).split(":")
     module = importlib.import_module(f"cedar.kernels.{module_name}")
     return getattr(module, fn_name)
 

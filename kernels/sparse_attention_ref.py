@@ -21,7 +21,7 @@ Q_BLOCK = 512
 
 
 def indexer_scores(q_idx: Tensor, w_idx: Tensor, k_idx: Tensor, cu_seqlens_q: Tensor,
-                   cu_seqlens_c: Tensor, q_pos: Tensor, c_pos: Tensor) -> Tensor:
+                   cu_seqlens_c: Tensor, q_pos: Tensor, c_pos: Tensor, plan=None) -> Tensor:
     """q_idx: (T, Hi, Di) f32; w_idx: (T, Hi) f32; k_idx: (Nc, Di) f32 dequantized index keys;
     cu_seqlens_q, cu_seqlens_c: (B+1,) int; q_pos: (T,) int64; c_pos: (Nc,) int64, the position
     at which each entry becomes visible (its group's last token).
@@ -63,7 +63,7 @@ def topk_select(scores: Tensor, k: int) -> Tensor:
 
 
 def sparse_attention(q: Tensor, entries: Tensor, cu_seqlens_q: Tensor, cu_seqlens_c: Tensor,
-                     indices: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+                     indices: Tensor, scale: float, plan=None) -> tuple[Tensor, Tensor]:
     """q: (T, H, D) f32; entries: (Nc, D) f32 dequantized global KV (K = V);
     indices: (T, k) int32 request-local entry ids, -1 = none.
     Returns out (T, H, D) f32 and lse (T, H) f32; a query with no entry gets (0, -inf)."""

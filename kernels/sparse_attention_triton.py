@@ -214,7 +214,7 @@ def _check_common(name: str, floats: dict[str, Tensor], ints: dict[str, Tensor])
 
 
 def indexer_scores(q_idx: Tensor, w_idx: Tensor, k_idx: Tensor, cu_seqlens_q: Tensor,
-                   cu_seqlens_c: Tensor, q_pos: Tensor, c_pos: Tensor) -> Tensor:
+                   cu_seqlens_c: Tensor, q_pos: Tensor, c_pos: Tensor, plan=None) -> Tensor:
     """Lightning-indexer scores (same contract as ``sparse_attention_ref.indexer_scores``).
 
     q_idx: (T, Hi, Di) f32; w_idx: (T, Hi) f32; k_idx: (Nc, Di) f32 dequantized index keys
@@ -278,7 +278,7 @@ def topk_select(scores: Tensor, k: int) -> Tensor:
 
 
 def sparse_attention(q: Tensor, entries: Tensor, cu_seqlens_q: Tensor, cu_seqlens_c: Tensor,
-                     indices: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+                     indices: Tensor, scale: float, plan=None) -> tuple[Tensor, Tensor]:
     """Attention over each query's selected entries (same contract as the twin), K = V.
 
     q: (T, H, D) f32; entries: (Nc, D) f32 dequantized global KV (bf16/fp16 accepted, upcast);

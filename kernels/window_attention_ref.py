@@ -31,8 +31,9 @@ def _validate(q: Tensor, k: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, 
 
 def window_attention(q: Tensor, k: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, q_pos: Tensor,
                      k_pos: Tensor, window: int, window_floor: Tensor, sink: Tensor | None,
-                     scale: float) -> tuple[Tensor, Tensor]:
-    """Ragged batch of requests; K = V.
+                     scale: float, plan=None) -> tuple[Tensor, Tensor]:
+    """Ragged batch of requests; K = V. ``plan`` (a ``plans.WindowPlan``, read by the batched
+    CPU path) is ignored: the twin derives everything from the ragged layout.
 
     q: (T, H, D) float32, the queries of all requests, request b in rows cu_seqlens_q[b]:[b+1].
     k: (N, D) float32 dequantized window keys (= values), request b in rows cu_seqlens_k[b]:[b+1].

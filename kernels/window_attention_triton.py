@@ -157,7 +157,7 @@ def _check(q: Tensor, k: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, q_p
 
 def window_attention(q: Tensor, k: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, q_pos: Tensor,
                      k_pos: Tensor, window: int, window_floor: Tensor, sink: Tensor | None,
-                     scale: float) -> tuple[Tensor, Tensor]:
+                     scale: float, plan=None) -> tuple[Tensor, Tensor]:
     """Ragged batch of requests; K = V (same contract as ``window_attention_ref.window_attention``).
 
     q: (T, H, D) float32 (bf16/fp16 accepted, upcast), request b in rows cu_seqlens_q[b]:[b+1].

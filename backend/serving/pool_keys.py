@@ -9,6 +9,9 @@ Invariants (each is what a test checks):
   forward), never below the request's window floor.
 - A decoder tail carried over from earlier chunks reads the encoder outputs stored for its
   positions; decoder windows read nothing below the tail's first position.
+
+Every method runs a fixed number of batched gathers and scatters over the forward's
+:class:`BatchTables` (built once, in the constructor): no loop over requests in a layer.
 """
 
 from __future__ import annotations
@@ -16,11 +19,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..compressor import Compressor, split_groups
+from ..compressor import Compressor
 from ..config import CEDConfig
-from ..key_source import GlobalView, KeySource, WindowKeys, entry_positions
+from ..key_source import GlobalView, KeySource, WindowKeys
 from ..kv_codec import KVCodec
-from ..rows import DecoderRows, RowBatch, cu_seqlens
+from ..rows import DecoderRows, RowBatch
+from cedar.kernels import cpu_ext
+from cedar.kernels.plans import PoolPlan, RingPlan
+
+from .batch_tables import BatchTables
 from .planner import ServedForward
 from .pools import RequestSlots, TokenPools
 
@@ -29,115 +36,86 @@ class PoolKeys(KeySource):
     def __init__(self, cfg: CEDConfig, codec: KVCodec, pools: TokenPools, slots: RequestSlots,
                  plan: ServedForward) -> None:
         self.cfg, self.codec, self.pools, self.slots, self.plan = cfg, codec, pools, slots, plan
+        self.tables = BatchTables.build(cfg, plan, slots)
+        self.prefix_len = torch.tensor([r.prefix_len for r in plan.requests], dtype=torch.long)
         self.views: dict[int, GlobalView] = {}
-        self.enc_floor = torch.tensor([r.window_floor for r in plan.requests], dtype=torch.long)
-        self.dec_floor = self.enc_floor.clone()
+        # NOTE: a decode step (one row per request, decoder on it) reads rings and pools in place
+        # through the C++ kernels; every other forward runs the batched torch plans.
+        self.in_place = (codec.quantize and codec.kernels.backend_of("window_attention") == "fast"
+                         and cpu_ext.available() and all(r.num_rows == 1 and r.decoder == "all" for r in plan.requests))
+        self.row_req = torch.arange(len(plan.requests))
 
     # ------------------------------------------------------------------ global KV
     def write_global(self, layer: int, comp: Compressor, x: Tensor, batch: RowBatch) -> None:
         r, src = comp.ratio, self.pools.sources[layer]
         kv, gate = comp.project(x)  # (T, D) f32 each
-        seg_kv, seg_gate, firsts, rows = [], [], [], []
-        empty = kv[:0]
-        for b, req in enumerate(self.plan.requests):
-            s, e = batch.bounds(b)
-            t = int(self.slots.tail_len[layer][req.slot]) if r > 1 else 0
-            split = split_groups(kv[s:e], gate[s:e] if gate is not None else None,
-                                 self.slots.tail_kv[layer][req.slot, :t] if r > 1 else empty,
-                                 self.slots.tail_gate[layer][req.slot, :t] if r > 1 else None,
-                                 req.row_start, r, req.prefix_len)  # the write floor is the prefix
-            if r > 1:
-                rest = split.tail_kv.shape[0]
-                self.slots.tail_kv[layer][req.slot, :rest] = split.tail_kv
-                self.slots.tail_gate[layer][req.slot, :rest] = split.tail_gate
-                self.slots.tail_len[layer][req.slot] = rest
-            if split.first_pos.numel():
-                seg_kv.append(split.kv)
-                seg_gate.append(split.gate)
-                firsts.append(split.first_pos)
-                rows.append(req.token_slots[split.first_pos] // r)
-        if rows:
-            pooled, index = comp.pool(torch.cat(seg_kv), torch.cat(seg_gate) if gate is not None else None,
-                                      torch.cat(firsts))
-            idx = torch.cat(rows)
-            src.rows[idx], src.row_scales[idx] = self.codec.encode("global", pooled)
-            src.index_rows[idx], src.index_scales[idx] = self.codec.encode("index", index)
+        tails = r > 1
+        w = self.tables.groups(r, self.prefix_len, self.slots.tail_len[layer] if tails else None)
+        if w.first_pos.numel():
+            if tails:  # NOTE: a group begun in an earlier forward reads its first rows from the tail
+                kv_all = torch.cat([kv, self.slots.tail_kv[layer].view(-1, kv.shape[1])])
+                gate_all = torch.cat([gate, self.slots.tail_gate[layer].view(-1, kv.shape[1])])
+            else:
+                kv_all, gate_all = kv, gate
+            pooled, index = comp.pool(kv_all[w.src], gate_all[w.src] if gate is not None else None, w.first_pos)
+            src.rows[w.dst], src.row_scales[w.dst] = self.codec.encode("global", pooled)
+            src.index_rows[w.dst], src.index_scales[w.dst] = self.codec.encode("index", index)
+        if tails:
+            self.slots.tail_kv[layer].view(-1, kv.shape[1])[w.tail_dst] = kv[w.tail_src]
+            self.slots.tail_gate[layer].view(-1, kv.shape[1])[w.tail_dst] = gate[w.tail_src]
+            self.slots.tail_len[layer][self.tables.slots] = w.tail_len
         self.views.pop(layer, None)
 
     def global_view(self, source: int) -> GlobalView:
         if source not in self.views:
-            src = self.pools.sources[source]
-            r, idx, lens = src.ratio, [], []
-            for req in self.plan.requests:
-                G = req.seq_len // r
-                idx.append(req.token_slots[0: G * r: r] // r)
-                lens.append(G)
-            idx = torch.cat(idx)
+            src, ent = self.pools.sources[source], self.tables.entries(self.pools.sources[source].ratio)
+            idx = ent.rows
+            if self.in_place:
+                self.views[source] = GlobalView(None, None, ent.entry_pos, ent.cu, PoolPlan(
+                    src.rows, src.row_scales, src.index_rows, src.index_scales, idx, ent.cu.long(), self.row_req,
+                    src.ratio))
+                return self.views[source]
             self.views[source] = GlobalView(
                 self.codec.decode("global", src.rows[idx], src.row_scales[idx]),
                 self.codec.decode("index", src.index_rows[idx], src.index_scales[idx]),
-                torch.cat([entry_positions(n, r) for n in lens]), cu_seqlens(lens))
+                ent.entry_pos, ent.cu, self.tables.global_plan(source >= self.cfg.decoder_start, src.ratio))
         return self.views[source]
 
     # ------------------------------------------------------------------ window KV
     def window_keys(self, layer: int, kv: Tensor, batch: RowBatch) -> WindowKeys:
-        codes, scales = self.codec.encode("window", kv)
-        new = self.codec.decode("window", codes, scales)
+        E = self.cfg.decoder_start
+        decoder = layer > E  # NOTE: layer E's keys are the encoder rows, its queries the decoder's
         rows, ring_s, ring_p = self.slots.ring_rows[layer], self.slots.ring_scales[layer], self.slots.ring_pos[layer]
         S = ring_p.shape[1]
-        keys, key_pos, lens = [], [], []
-        for b, req in enumerate(self.plan.requests):
-            s, e = batch.bounds(b)
-            if e == s:
-                lens.append(0)
-                continue
-            first = int(batch.pos[s])
-            old = (ring_p[req.slot] >= 0) & (ring_p[req.slot] < first)  # (S,)
-            keys += [self.codec.decode("window", rows[req.slot][old], ring_s[req.slot][old]), new[s:e]]
-            key_pos += [ring_p[req.slot][old], batch.pos[s:e]]
-            lens.append(int(old.sum()) + e - s)
-            last = slice(max(s, e - S), e)
-            slot_idx = batch.pos[last] % S
-            rows[req.slot, slot_idx] = codes[last]
-            ring_s[req.slot, slot_idx] = scales[last]
-            ring_p[req.slot, slot_idx] = batch.pos[last]
-        D = kv.shape[1]
-        return WindowKeys(torch.cat(keys) if keys else kv.new_zeros(0, D),
-                          torch.cat(key_pos) if key_pos else batch.pos[:0], cu_seqlens(lens))
+        if self.in_place:  # NOTE: one new row per request: storing it first overwrites no key it reads
+            torch.ops.cedar_cpu.fp8_ring_store(kv.contiguous(), self.tables.slots, batch.pos, rows, ring_s, ring_p)
+            return WindowKeys(kv[:0], batch.pos[:0], batch.cu, RingPlan(rows, ring_s, ring_p, self.tables.slots,
+                                                                       self.row_req))
+        lay = self.tables.ring(decoder, S)
+        codes, scales = self.codec.encode("window", kv)
+        new = self.codec.decode("window", codes, scales)
+        flat_rows, flat_scales, flat_pos = rows.view(-1, rows.shape[-1]), ring_s.view(-1, ring_s.shape[-1]), ring_p.view(-1)
+        old_pos = flat_pos[lay.ring_src]
+        old_pos = torch.where(old_pos < lay.ring_first, old_pos, -1)  # only rows written before this forward
+        old = self.codec.decode("window", flat_rows[lay.ring_src], flat_scales[lay.ring_src])
+        keys = torch.cat([new, old])[lay.perm]
+        key_pos = torch.cat([batch.pos, old_pos])[lay.perm]
+        flat_rows[lay.write_dst] = codes[lay.write_src]  # NOTE: after the ring was read
+        flat_scales[lay.write_dst] = scales[lay.write_src]
+        flat_pos[lay.write_dst] = batch.pos[lay.write_src]
+        return WindowKeys(keys, key_pos, lay.cu, self.tables.window_plan(layer >= E, decoder, S))
 
     def window_floor(self, layer: int) -> Tensor:
-        return self.dec_floor if layer > self.cfg.decoder_start else self.enc_floor
+        return self.tables.dec_floor if layer > self.cfg.decoder_start else self.tables.enc_floor
 
     # ------------------------------------------------------------------ the cut
     def decoder_rows(self, h: Tensor, batch: RowBatch) -> DecoderRows | None:
-        W = self.cfg.sliding_window
-        hidden, pos, src_rows, lens = [], [], [], []
-        for b, req in enumerate(self.plan.requests):
-            s, e = batch.bounds(b)
-            first = int(batch.pos[s]) if e > s else req.seq_len
-            if req.decoder == "all":
-                keep_from = first
-            elif req.decoder == "tail":
-                keep_from = max(req.window_floor, req.seq_len - W)
-                self.dec_floor[b] = keep_from
-            else:
-                keep_from = req.seq_len
-            carried = torch.arange(keep_from, max(keep_from, min(first, req.seq_len)), dtype=torch.long)
-            if carried.numel():
-                slot_idx = carried % W
-                if not torch.equal(self.slots.enc_pos[req.slot, slot_idx], carried):
-                    raise RuntimeError(f"request {req.rid}: encoder outputs for its decoder tail are missing")
-                hidden.append(self.slots.enc_out[req.slot, slot_idx])
-                src_rows.append(torch.full((carried.numel(),), -1, dtype=torch.long))
-            own = torch.arange(max(s, s + keep_from - first), e, dtype=torch.long)
-            hidden.append(h[own])
-            src_rows.append(own)
-            pos.append(torch.arange(keep_from, req.seq_len, dtype=torch.long))
-            lens.append(req.seq_len - keep_from)
-            last = slice(max(s, e - W), e)  # keep this forward's last W encoder outputs
-            self.slots.enc_out[req.slot, batch.pos[last] % W] = h[last]
-            self.slots.enc_pos[req.slot, batch.pos[last] % W] = batch.pos[last]
-        return DecoderRows(torch.cat(hidden), RowBatch(torch.cat(pos), tuple(lens)), torch.cat(src_rows))
+        t = self.tables
+        enc_out = self.slots.enc_out.view(-1, h.shape[1])
+        hidden = torch.cat([h, enc_out])[t.dec_src]  # NOTE: read before this forward's outputs are kept
+        enc_out[t.enc_out_dst] = h[t.enc_out_src]
+        self.slots.enc_pos.view(-1)[t.enc_out_dst] = batch.pos[t.enc_out_src]
+        return DecoderRows(hidden, t.dec.batch, t.dec_source_row)
 
     def commit(self) -> None:
         """After the forward: each owner's state now reaches its sequence end."""
@@ -148,4 +126,3 @@ class PoolKeys(KeySource):
             owner.hasher.advance(req.token_slots, self.pools.token_ids, req.seq_len)
             if req.decoder != "skip":
                 owner.decoder_pos = req.seq_len
-

@@ -1,0 +1,206 @@
+"""BatchTables: every per-request fact of one served forward as index tensors, built once.
+
+The planner (:mod:`planner`) decides what each request runs; this module turns those decisions
+into the gather / scatter indices that :class:`~cedar.backend.serving.pool_keys.PoolKeys` and the
+batched kernels use in every layer, so that no layer loops over requests or reads a tensor back
+to the host. Built on the host in a handful of vectorised ops per forward; nothing in it assumes
+a CPU (the same tables can live on a GPU).
+
+Row sets: the *encoder rows* are the forward's rows (each request's replay rows, then its
+scheduled rows); the *decoder rows* are what the layers after the cut run on (all of a request's
+rows, its last-W tail, carried-over rows included, or none). Each is consecutive positions per
+request, so a row's place follows from its request's first position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from cedar.kernels.plans import GlobalPlan, WindowPlan, global_plan, window_plan
+
+from ..config import CEDConfig
+from ..rows import RowBatch
+from .planner import ServedForward
+from .pools import RequestSlots
+
+
+@dataclass(frozen=True)
+class RowSet:
+    batch: RowBatch  # positions and rows per request
+    first: Tensor  # (B,) int64 first position of each request's rows (its seq_len if none)
+    lens: Tensor  # (B,) int64 rows per request
+    cu: Tensor  # (B + 1,) int64 row offsets
+
+
+def _row_set(first: Tensor, lens: Tensor) -> RowSet:
+    owner = torch.repeat_interleave(torch.arange(lens.numel()), lens)
+    cu = torch.cat([lens.new_zeros(1), torch.cumsum(lens, 0)])
+    pos = first[owner] + torch.arange(owner.numel()) - cu[:-1][owner]
+    return RowSet(RowBatch(pos, tuple(lens.tolist())), first, lens, cu)
+
+
+@dataclass(frozen=True)
+class GroupWrites:
+    """One compression ratio's global-row writes. Rows are gathered from ``cat(kv (T, D),
+    pending tails (num_slots * (r - 1), D))``: a group that started in an earlier forward reads
+    its first rows from the slot's tail."""
+
+    src: Tensor  # (G * r,) int64 source row of each group member, group-major
+    first_pos: Tensor  # (G,) int64 group start positions
+    dst: Tensor  # (G,) int64 pool row (token slot // r) of each group
+    tail_src: Tensor  # (n,) int64 kv row kept pending (the incomplete last group)
+    tail_dst: Tensor  # (n,) int64 flat tail index slot * (r - 1) + pos % r
+    tail_len: Tensor  # (B,) int64 pending rows per request after the forward
+
+
+@dataclass(frozen=True)
+class EntryLayout:
+    """Each request's global entries of one ratio, ragged: request b's in rows cu[b]:cu[b+1]."""
+
+    rows: Tensor  # (Nc,) int64 pool row of every entry
+    entry_pos: Tensor  # (Nc,) int64 position from which it is visible
+    cu: Tensor  # (B + 1,) int32
+
+
+@dataclass(frozen=True)
+class RingLayout:
+    """One row set's window keys for rings of ``S`` rows: request b's ragged keys are its S ring
+    rows (read before this forward writes), then its new rows."""
+
+    ring_src: Tensor  # (B * S,) int64 flat ring row (slot * S + i) read for each request
+    ring_first: Tensor  # (B * S,) int64 the request's first new position (older ring rows only)
+    perm: Tensor  # (N,) int64 ragged key row -> row of cat(new rows (T), ring rows (B * S))
+    cu: Tensor  # (B + 1,) int32 ragged key offsets
+    write_src: Tensor  # (n,) int64 new row stored in the ring (each request's last S rows)
+    write_dst: Tensor  # (n,) int64 flat ring row slot * S + pos % S
+
+
+@dataclass
+class BatchTables:
+    cfg: CEDConfig
+    slots: Tensor  # (B,) int64 request slot of each request
+    seq_len: Tensor  # (B,) int64
+    enc: RowSet
+    dec: RowSet
+    enc_floor: Tensor  # (B,) int64 lowest readable window position, encoder layers and E
+    dec_floor: Tensor  # (B,) int64 the same for the layers after E
+    dec_src: Tensor  # (T',) int64 decoder row -> row of cat(h (T), enc_out (num_slots * W))
+    dec_source_row: Tensor  # (T',) int64 row in this forward, -1 for a carried-over row
+    enc_out_src: Tensor  # (n,) int64 encoder row kept for a later chunk's decoder tail
+    enc_out_dst: Tensor  # (n,) int64 flat slot * W + pos % W
+    token_slot_flat: Tensor  # (sum seq_len,) int64 every request's token slots, request-major
+    token_slot_start: Tensor  # (B,) int64 where each request's slots start in it
+    _groups: dict = field(default_factory=dict)
+    _entries: dict = field(default_factory=dict)
+    _rings: dict = field(default_factory=dict)
+    _window_plans: dict = field(default_factory=dict)
+    _global_plans: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, cfg: CEDConfig, plan: ServedForward, slots: RequestSlots) -> "BatchTables":
+        reqs, W = plan.requests, cfg.sliding_window
+        long = dict(dtype=torch.long)
+        slot = torch.tensor([r.slot for r in reqs], **long)
+        seq = torch.tensor([r.seq_len for r in reqs], **long)
+        first = torch.tensor([r.row_start for r in reqs], **long)
+        floor = torch.tensor([r.window_floor for r in reqs], **long)
+        enc = _row_set(first, seq - first)
+        keep = torch.tensor([r.row_start if r.decoder == "all" else
+                             max(r.window_floor, r.seq_len - W) if r.decoder == "tail" else r.seq_len
+                             for r in reqs], **long)
+        dec = _row_set(keep, seq - keep)
+        tail = torch.tensor([r.decoder == "tail" for r in reqs])
+        T = enc.batch.num_rows
+        owner = torch.repeat_interleave(torch.arange(len(reqs)), dec.lens)
+        p = dec.batch.pos
+        own = p >= first[owner]
+        dec_src = torch.where(own, enc.cu[:-1][owner] + p - first[owner], T + slot[owner] * W + p % W)
+        carried = ~own
+        if carried.any() and not torch.equal(slots.enc_pos.view(-1)[(dec_src - T)[carried]], p[carried]):
+            bad = reqs[int(owner[carried][0])].rid
+            raise RuntimeError(f"request {bad}: encoder outputs for its decoder tail are missing")
+        enc_owner = torch.repeat_interleave(torch.arange(len(reqs)), enc.lens)
+        kept = enc.batch.pos >= seq[enc_owner] - W  # each request's last W encoder outputs
+        return cls(cfg, slot, seq, enc, dec, floor, torch.where(tail, keep, floor), dec_src,
+                   torch.where(own, dec_src, -1), torch.nonzero(kept).view(-1),
+                   slot[enc_owner][kept] * W + enc.batch.pos[kept] % W,
+                   torch.cat([r.token_slots for r in reqs]), torch.cumsum(seq, 0) - seq)
+
+    # ------------------------------------------------------------------ global KV
+    def groups(self, ratio: int, prefix_len: Tensor, tail_len: Tensor | None) -> GroupWrites:
+        """Groups of ``ratio`` each request completes in this forward and writes (those ending at
+        or above its prefix, the write floor), and its pending tail after it.
+        prefix_len: (B,) int64; tail_len: (num_slots,) int64 pending rows per slot (ratio > 1)."""
+        if ratio in self._groups:
+            return self._groups[ratio]
+        r, enc, T = ratio, self.enc, self.enc.batch.num_rows
+        t = enc.first % r
+        if r > 1 and not torch.equal(tail_len[self.slots], t):
+            raise RuntimeError(f"compressor tails disagree with the request positions (ratio {r})")
+        start = enc.first - t  # (B,) the first group this forward completes starts here
+        n_groups = (self.seq_len - start) // r
+        req = torch.repeat_interleave(torch.arange(n_groups.numel()), n_groups)
+        g_first = start[req] + r * (torch.arange(req.numel()) - (torch.cumsum(n_groups, 0) - n_groups)[req])
+        keep = g_first + (r - 1) >= prefix_len[req]
+        req, g_first = req[keep], g_first[keep]
+        member = g_first[:, None] + torch.arange(r)  # (G, r) positions
+        from_rows = enc.cu[:-1][req][:, None] + member - enc.first[req][:, None]
+        from_tail = T + self.slots[req][:, None] * max(r - 1, 1) + member % r
+        src = torch.where(member >= enc.first[req][:, None], from_rows, from_tail).reshape(-1)
+        dst = self.token_slot_flat[self.token_slot_start[req] + g_first] // r
+        owner = torch.repeat_interleave(torch.arange(n_groups.numel()), enc.lens)
+        pending = enc.batch.pos >= (self.seq_len - self.seq_len % r)[owner]
+        tail_src = torch.nonzero(pending).view(-1)
+        tail_dst = self.slots[owner][pending] * max(r - 1, 1) + enc.batch.pos[pending] % r
+        out = GroupWrites(src, g_first, dst, tail_src, tail_dst, self.seq_len % r)
+        self._groups[ratio] = out
+        return out
+
+    def entries(self, ratio: int) -> EntryLayout:
+        if ratio not in self._entries:
+            counts = self.seq_len // ratio
+            req = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+            cu = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+            g = torch.arange(req.numel()) - cu[:-1][req]
+            rows = self.token_slot_flat[self.token_slot_start[req] + g * ratio] // ratio
+            self._entries[ratio] = EntryLayout(rows, (g + 1) * ratio - 1, cu.int())
+        return self._entries[ratio]
+
+    def global_plan(self, decoder: bool, ratio: int) -> GlobalPlan:
+        key = (decoder, ratio)
+        if key not in self._global_plans:
+            rows = self.dec if decoder else self.enc
+            self._global_plans[key] = global_plan(rows.cu, self.entries(ratio).cu)
+        return self._global_plans[key]
+
+    # ------------------------------------------------------------------ window KV
+    def ring(self, decoder: bool, S: int) -> RingLayout:
+        key = (decoder, S)
+        if key not in self._rings:
+            rows, B = self.dec if decoder else self.enc, self.slots.numel()
+            T = rows.batch.num_rows
+            ring_src = (self.slots[:, None] * S + torch.arange(S)).view(-1)
+            n = S + rows.lens
+            cu = torch.cat([n.new_zeros(1), torch.cumsum(n, 0)])
+            req = torch.repeat_interleave(torch.arange(B), n)
+            off = torch.arange(req.numel()) - cu[:-1][req]  # offset in the request's keys
+            perm = torch.where(off < S, T + req * S + off, rows.cu[:-1][req] + off - S)
+            owner = torch.repeat_interleave(torch.arange(B), rows.lens)
+            kept = rows.batch.pos >= (self.seq_len - S)[owner]
+            self._rings[key] = RingLayout(ring_src, rows.first.repeat_interleave(S), perm, cu.int(),
+                                          torch.nonzero(kept).view(-1),
+                                          self.slots[owner][kept] * S + rows.batch.pos[kept] % S)
+        return self._rings[key]
+
+    def window_plan(self, queries_decoder: bool, keys_decoder: bool, S: int) -> WindowPlan:
+        key = (queries_decoder, keys_decoder, S)
+        if key not in self._window_plans:
+            q, k = (self.dec if queries_decoder else self.enc), (self.dec if keys_decoder else self.enc)
+            floor = self.dec_floor if keys_decoder else self.enc_floor
+            block = max(1, min(self.cfg.sliding_window, int(q.lens.max()) if q.lens.numel() else 1))
+            self._window_plans[key] = window_plan(q.cu, q.first, self.ring(keys_decoder, S).cu, k.first, S,
+                                                  floor, self.cfg.sliding_window, block)
+        return self._window_plans[key]

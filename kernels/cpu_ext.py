@@ -1,0 +1,44 @@
+"""Build and load Cedar's C++ CPU kernels (``csrc/cedar_cpu.cpp``) as ``torch.ops.cedar_cpu``.
+
+Built once by the setup script (``python -m cedar.kernels.cpu_ext``: about 30 s on 2 cores) into
+torch's extension cache; a process that finds it built loads it in well under a second. Where it
+cannot be built (no compiler), :func:`available` is False and the fast backend runs its batched
+torch path instead (slower decode, same results): the choice is made once per process.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cedar_cpu.cpp"
+NAME = "cedar_cpu"
+
+
+def build(verbose: bool = False) -> None:
+    """Compile (if the source changed) and load the library; raises on failure."""
+    from torch.utils.cpp_extension import load
+
+    load(NAME, [str(SOURCE)], extra_cflags=["-O3"], is_python_module=False, verbose=verbose)
+
+
+@functools.cache
+def available() -> bool:
+    """Load the library once per process; False (with a warning) where it cannot be built."""
+    if os.environ.get("CEDAR_NO_CPU_EXT"):
+        return False
+    try:
+        build()
+    except Exception as e:  # noqa: BLE001 - any build failure means: use the torch path
+        logger.warning("cedar C++ CPU kernels unavailable (%s); decode runs the batched torch path", e)
+        return False
+    return True
+
+
+if __name__ == "__main__":
+    build(verbose=True)
+    print("cedar_cpu kernels built and loaded")

@@ -1,0 +1,387 @@
+// Cedar's decode-step CPU kernels (torch ops under torch.ops.cedar_cpu), loaded by cpu_ext.py.
+//
+// NOTE: why C++: a decode step is a few rows per request, so the batched-torch path spends its
+// time in per-op overhead (~3-10 us a call, dozens of calls per layer), not arithmetic. These
+// kernels read the FP8 rings and FP4 pools in place (dequantizing only what a query reads) and do
+// one layer's window attention, indexer scores, top-k or sparse attention in one call. Each has a
+// pure-torch twin (kernels/*_ref.py) it is tested against; shapes and dtypes are checked in the
+// Python launchers (kernels/*_cpu.py), not here.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+const float kE2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+
+struct Lut {
+  float e4m3[256];
+  Lut() {
+    for (int b = 0; b < 256; ++b) e4m3[b] = static_cast<float>(c10::Float8_e4m3fn(uint8_t(b), c10::Float8_e4m3fn::from_bits()));
+  }
+};
+const Lut& lut() {
+  static Lut l;
+  return l;
+}
+
+inline float e8m0(uint8_t b) { return b == 0xFF ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.f, int(b) - 127); }
+
+// FP8 window row (D codes, D/32 E8M0 scales) -> out[D]
+inline void dequant_fp8(const uint8_t* codes, const uint8_t* scales, int64_t D, float* out) {
+  const float* t = lut().e4m3;
+  for (int64_t g = 0; g < D / 32; ++g) {
+    const float s = e8m0(scales[g]);
+    for (int64_t j = g * 32; j < g * 32 + 32; ++j) out[j] = t[codes[j]] * s;
+  }
+}
+
+// FP4 row (D/2 packed bytes, low nibble first) with per-group scales -> out[D]
+inline void dequant_fp4(const uint8_t* packed, const uint8_t* scales, int64_t D, int64_t group, bool e4m3, float* out) {
+  for (int64_t j = 0; j < D / 2; ++j) {
+    out[2 * j] = kE2M1[packed[j] & 15];
+    out[2 * j + 1] = kE2M1[packed[j] >> 4];
+  }
+  for (int64_t g = 0; g < D / group; ++g) {
+    const float s = e4m3 ? lut().e4m3[scales[g]] : e8m0(scales[g]);
+    for (int64_t j = g * group; j < g * group + group; ++j) out[j] *= s;
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc = 0.f;
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+// softmax over logits[0..n) plus an optional sink logit, out = sum p_j v_j / denom; returns lse
+inline float softmax_values(const float* logits, const float* values, int64_t n, int64_t D, bool has_sink,
+                            float sink, float* out) {
+  float m = has_sink ? sink : kNegInf;
+  for (int64_t j = 0; j < n; ++j) m = std::max(m, logits[j]);
+  if (std::isinf(m)) m = 0.f;
+  float denom = has_sink ? std::exp(sink - m) : 0.f;
+  std::fill(out, out + D, 0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    const float p = std::exp(logits[j] - m);
+    denom += p;
+    const float* v = values + j * D;
+    for (int64_t d = 0; d < D; ++d) out[d] += p * v[d];
+  }
+  if (denom > 0.f) {
+    for (int64_t d = 0; d < D; ++d) out[d] /= denom;
+  } else {
+    std::fill(out, out + D, 0.f);
+  }
+  return std::log(denom) + m;
+}
+
+// ---------------------------------------------------------------------------------------------
+std::tuple<at::Tensor, at::Tensor> window_ring_attention(const at::Tensor& q, const at::Tensor& codes,
+                                                         const at::Tensor& scales, const at::Tensor& ring_pos,
+                                                         const at::Tensor& slot, const at::Tensor& q_pos,
+                                                         const at::Tensor& floor, const c10::optional<at::Tensor>& sink,
+                                                         int64_t window, double scale) {
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), S = codes.size(1), G = scales.size(2);
+  auto out = at::zeros({T, H, D}, q.options());
+  auto lse = at::full({T, H}, kNegInf, q.options());
+  const float* qp = q.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint8_t* sp = scales.data_ptr<uint8_t>();
+  const int64_t* rp = ring_pos.data_ptr<int64_t>();
+  const int64_t* slp = slot.data_ptr<int64_t>();
+  const int64_t* pp = q_pos.data_ptr<int64_t>();
+  const int64_t* fp = floor.data_ptr<int64_t>();
+  const float* skp = sink.has_value() ? sink->data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> keys(S * D), logits(S);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t s = slp[t], p = pp[t], lo = std::max({fp[t], p - window + 1, int64_t(0)});
+      int64_t n = 0;
+      for (int64_t i = 0; i < S; ++i) {
+        const int64_t kp = rp[s * S + i];
+        if (kp < lo || kp > p) continue;
+        dequant_fp8(cp + (s * S + i) * D, sp + (s * S + i) * G, D, keys.data() + n * D);
+        ++n;
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        const float* qh = qp + (t * H + h) * D;
+        for (int64_t j = 0; j < n; ++j) logits[j] = dot(qh, keys.data() + j * D, D) * float(scale);
+        lp[t * H + h] = softmax_values(logits.data(), keys.data(), n, D, skp != nullptr, skp ? skp[h] : 0.f,
+                                       op + (t * H + h) * D);
+      }
+    }
+  });
+  return {out, lse};
+}
+
+// ---------------------------------------------------------------------------------------------
+at::Tensor indexer_scores_pool(const at::Tensor& iq, const at::Tensor& iw, const at::Tensor& codes,
+                               const at::Tensor& scales, const at::Tensor& entry_rows, const at::Tensor& cu_c,
+                               const at::Tensor& q_req, const at::Tensor& q_pos, int64_t ratio) {
+  const int64_t T = iq.size(0), Hi = iq.size(1), Di = iq.size(2), B = cu_c.size(0) - 1;
+  const int64_t* cu = cu_c.data_ptr<int64_t>();
+  int64_t C = 1;
+  for (int64_t b = 0; b < B; ++b) C = std::max(C, cu[b + 1] - cu[b]);
+  auto scores = at::full({T, C}, kNegInf, iq.options());
+  const float* qp = iq.data_ptr<float>();
+  const float* wp = iw.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint8_t* sp = scales.data_ptr<uint8_t>();
+  const int64_t* er = entry_rows.data_ptr<int64_t>();
+  const int64_t* qr = q_req.data_ptr<int64_t>();
+  const int64_t* pp = q_pos.data_ptr<int64_t>();
+  const int64_t CB = codes.size(1), SB = scales.size(1), group = Di / SB;
+  float* out = scores.data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> key(Di);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = qr[t], n = cu[b + 1] - cu[b];
+      const int64_t visible = std::min(n, (pp[t] + 1) / ratio);  // entry c is visible from (c+1)r-1
+      for (int64_t c = 0; c < visible; ++c) {
+        const int64_t row = er[cu[b] + c];
+        dequant_fp4(cp + row * CB, sp + row * SB, Di, group, false, key.data());
+        float acc = 0.f;
+        for (int64_t h = 0; h < Hi; ++h) acc += std::max(dot(qp + (t * Hi + h) * Di, key.data(), Di), 0.f) * wp[t * Hi + h];
+        out[t * C + c] = acc;
+      }
+    }
+  });
+  return scores;
+}
+
+// ---------------------------------------------------------------------------------------------
+at::Tensor topk_exact(const at::Tensor& scores, int64_t k) {
+  const int64_t T = scores.size(0), C = scores.size(1);
+  auto idx = at::full({T, k}, -1, scores.options().dtype(at::kInt));
+  const float* sp = scores.data_ptr<float>();
+  int32_t* ip = idx.data_ptr<int32_t>();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<int32_t> ids;
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* row = sp + t * C;
+      ids.clear();
+      for (int64_t c = 0; c < C; ++c)
+        if (std::isfinite(row[c])) ids.push_back(int32_t(c));
+      const int64_t m = std::min<int64_t>(k, ids.size());
+      // NOTE: the twin's order: best first, ties to the lower id
+      std::partial_sort(ids.begin(), ids.begin() + m, ids.end(),
+                        [row](int32_t a, int32_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
+      std::copy(ids.begin(), ids.begin() + m, ip + t * k);
+    }
+  });
+  return idx;
+}
+
+// ---------------------------------------------------------------------------------------------
+std::tuple<at::Tensor, at::Tensor> sparse_pool_attention(const at::Tensor& q, const at::Tensor& codes,
+                                                         const at::Tensor& scales, const at::Tensor& entry_rows,
+                                                         const at::Tensor& cu_c, const at::Tensor& q_req,
+                                                         const at::Tensor& indices, double scale) {
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), K = indices.size(1);
+  auto out = at::zeros({T, H, D}, q.options());
+  auto lse = at::full({T, H}, kNegInf, q.options());
+  const float* qp = q.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint8_t* sp = scales.data_ptr<uint8_t>();
+  const int64_t* er = entry_rows.data_ptr<int64_t>();
+  const int64_t* cu = cu_c.data_ptr<int64_t>();
+  const int64_t* qr = q_req.data_ptr<int64_t>();
+  const int32_t* ip = indices.data_ptr<int32_t>();
+  const int64_t CB = codes.size(1), SB = scales.size(1), group = D / SB;
+  float* op = out.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> keys(K * D), logits(K);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = qr[t], count = cu[b + 1] - cu[b];
+      int64_t n = 0;
+      for (int64_t j = 0; j < K; ++j) {
+        const int64_t c = ip[t * K + j];
+        if (c < 0 || c >= count) continue;
+        const int64_t row = er[cu[b] + c];
+        dequant_fp4(cp + row * CB, sp + row * SB, D, group, true, keys.data() + n * D);
+        ++n;
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        const float* qh = qp + (t * H + h) * D;
+        for (int64_t j = 0; j < n; ++j) logits[j] = dot(qh, keys.data() + j * D, D) * float(scale);
+        lp[t * H + h] = softmax_values(logits.data(), keys.data(), n, D, false, 0.f, op + (t * H + h) * D);
+      }
+    }
+  });
+  return {out, lse};
+}
+
+// ---------------------------------------------------------------------------------------------
+// One FP8 group of 32 values, bit-identical to fp8_ref.fp8_quantize: codes c[32], returns the scale byte.
+inline uint8_t fp8_group(const float* xg, uint8_t* c) {
+  bool poisoned = false;
+  float amax = 0.f;
+  for (int j = 0; j < 32; ++j) {
+    poisoned |= !std::isfinite(xg[j]);
+    amax = std::max(amax, std::fabs(xg[j]));
+  }
+  if (poisoned) {
+    std::fill(c, c + 32, 0);
+    return 0xFF;
+  }
+  int exp = 0;
+  const float mant = std::frexp(amax, &exp);  // 448 = 0.875 * 2**9
+  int e = amax > 0.f ? exp - 9 + (mant > 0.875f ? 1 : 0) : -127;
+  e = std::min(127, std::max(-127, e));
+  const float s = std::ldexp(1.f, e);
+  for (int j = 0; j < 32; ++j) {
+    const float mag = std::min(std::fabs(xg[j]) / s, 448.f);
+    c[j] = c10::Float8_e4m3fn(mag).x | (xg[j] < 0.f ? 0x80 : 0);
+  }
+  return uint8_t(e + 127);
+}
+
+// FP8 window rows into the rings: row t goes to ring row pos[t] % S of slot[t] (its tag too).
+void fp8_ring_store(const at::Tensor& rows, const at::Tensor& slot, const at::Tensor& pos, at::Tensor& codes,
+                    at::Tensor& scales, at::Tensor& ring_pos) {
+  const int64_t T = rows.size(0), D = rows.size(1), S = codes.size(1), G = D / 32;
+  const float* xp = rows.data_ptr<float>();
+  const int64_t* slp = slot.data_ptr<int64_t>();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  uint8_t* cp = codes.data_ptr<uint8_t>();
+  uint8_t* sp = scales.data_ptr<uint8_t>();
+  int64_t* rp = ring_pos.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t dst = slp[t] * S + pp[t] % S;
+    for (int64_t g = 0; g < G; ++g) sp[dst * G + g] = fp8_group(xp + t * D + g * 32, cp + dst * D + g * 32);
+    rp[dst] = pp[t];
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> fp8_quantize(const at::Tensor& x) {
+  const int64_t N = x.size(0), D = x.size(1), G = D / 32;
+  auto codes = at::empty({N, D}, x.options().dtype(at::kByte));
+  auto scales = at::empty({N, G}, x.options().dtype(at::kByte));
+  const float* xp = x.data_ptr<float>();
+  uint8_t* cp = codes.data_ptr<uint8_t>();
+  uint8_t* sp = scales.data_ptr<uint8_t>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t g = 0; g < G; ++g) sp[n * G + g] = fp8_group(xp + n * D + g * 32, cp + n * D + g * 32);
+  });
+  return {codes, scales};
+}
+
+// FP4 rows, bit-identical to fp4_ref.fp4_quantize (E4M3 or E8M0 group scales).
+std::tuple<at::Tensor, at::Tensor> fp4_quantize(const at::Tensor& x, int64_t group, bool e4m3) {
+  const int64_t N = x.size(0), D = x.size(1), G = D / group;
+  auto packed = at::empty({N, D / 2}, x.options().dtype(at::kByte));
+  auto scales = at::empty({N, G}, x.options().dtype(at::kByte));
+  const float* xp = x.data_ptr<float>();
+  uint8_t* pp = packed.data_ptr<uint8_t>();
+  uint8_t* sp = scales.data_ptr<uint8_t>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    std::vector<uint8_t> codes(D);
+    for (int64_t n = n0; n < n1; ++n) {
+      const float* x_row = xp + n * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* xg = x_row + g * group;
+        bool poisoned = false;
+        float amax = 0.f;
+        for (int64_t j = 0; j < group; ++j) {
+          poisoned |= !std::isfinite(xg[j]);
+          amax = std::max(amax, std::fabs(xg[j]));
+        }
+        uint8_t byte;
+        float s;
+        if (poisoned) {
+          byte = e4m3 ? 0x7F : 0xFF;
+          s = 0.f;
+        } else if (e4m3) {
+          const c10::Float8_e4m3fn q(std::min(amax / 6.f, 448.f));
+          byte = q.x;
+          s = static_cast<float>(q);
+        } else {
+          int exp = 0;
+          const float mant = std::frexp(amax, &exp);  // 6 = 0.75 * 2**3
+          int e = amax > 0.f ? exp - 3 + (mant > 0.75f ? 1 : 0) : -127;
+          e = std::min(127, std::max(-127, e));
+          byte = uint8_t(e + 127);
+          s = std::ldexp(1.f, e);
+        }
+        sp[n * G + g] = byte;
+        for (int64_t j = 0; j < group; ++j) {
+          uint8_t c = 0;
+          if (!poisoned && s > 0.f) {
+            const float y = std::fabs(xg[j]) / s;
+            c = (y > 0.25f) + (y >= 0.75f) + (y > 1.25f) + (y >= 1.75f) + (y > 2.5f) + (y >= 3.5f) + (y > 5.0f);
+            c |= (xg[j] < 0.f ? 8 : 0);
+          }
+          codes[g * group + j] = c;
+        }
+      }
+      for (int64_t j = 0; j < D / 2; ++j) pp[n * (D / 2) + j] = codes[2 * j] | (codes[2 * j + 1] << 4);
+    }
+  });
+  return {packed, scales};
+}
+
+// merge_ref.merge_states in one pass: (out (T, H, D), lse (T, H)) of the union of two key sets.
+std::tuple<at::Tensor, at::Tensor> merge_states(const at::Tensor& out_a, const at::Tensor& lse_a,
+                                                const at::Tensor& out_b, const at::Tensor& lse_b) {
+  const int64_t TH = lse_a.numel(), D = out_a.size(2);
+  auto out = at::empty_like(out_a);
+  auto lse = at::empty_like(lse_a);
+  const float *oa = out_a.data_ptr<float>(), *la = lse_a.data_ptr<float>();
+  const float *ob = out_b.data_ptr<float>(), *lb = lse_b.data_ptr<float>();
+  float *o = out.data_ptr<float>(), *l = lse.data_ptr<float>();
+  for (int64_t i = 0; i < TH; ++i) {
+    const float a = la[i], b = lb[i], m = std::max(a, b);
+    float total, wa = 0.f, wb = 0.f;
+    if (std::isinf(m) && m < 0) {
+      total = kNegInf;
+    } else {
+      total = m + std::log1p(std::exp(std::min(a, b) - m));
+      wa = std::exp(a - total);
+      wb = std::exp(b - total);
+    }
+    l[i] = total;
+    for (int64_t d = 0; d < D; ++d) o[i * D + d] = oa[i * D + d] * wa + ob[i * D + d] * wb;
+  }
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(cedar_cpu, m) {
+  m.def("window_ring_attention(Tensor q, Tensor codes, Tensor scales, Tensor ring_pos, Tensor slot, Tensor q_pos, "
+        "Tensor floor, Tensor? sink, int window, float scale) -> (Tensor, Tensor)");
+  m.def("indexer_scores_pool(Tensor iq, Tensor iw, Tensor codes, Tensor scales, Tensor entry_rows, Tensor cu_c, "
+        "Tensor q_req, Tensor q_pos, int ratio) -> Tensor");
+  m.def("topk_exact(Tensor scores, int k) -> Tensor");
+  m.def("sparse_pool_attention(Tensor q, Tensor codes, Tensor scales, Tensor entry_rows, Tensor cu_c, "
+        "Tensor q_req, Tensor indices, float scale) -> (Tensor, Tensor)");
+  m.def("fp8_quantize(Tensor x) -> (Tensor, Tensor)");
+  m.def("fp4_quantize(Tensor x, int group, bool e4m3) -> (Tensor, Tensor)");
+  m.def("merge_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> (Tensor, Tensor)");
+  m.def("fp8_ring_store(Tensor rows, Tensor slot, Tensor pos, Tensor(a!) codes, Tensor(b!) scales, "
+        "Tensor(c!) ring_pos) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(cedar_cpu, CPU, m) {
+  m.impl("window_ring_attention", &window_ring_attention);
+  m.impl("indexer_scores_pool", &indexer_scores_pool);
+  m.impl("topk_exact", &topk_exact);
+  m.impl("sparse_pool_attention", &sparse_pool_attention);
+  m.impl("fp8_ring_store", &fp8_ring_store);
+  m.impl("fp8_quantize", &fp8_quantize);
+  m.impl("fp4_quantize", &fp4_quantize);
+  m.impl("merge_states", &merge_states);
+}

@@ -1,0 +1,123 @@
+"""Attention plans: the per-forward index tensors the batched CPU kernels (``*_fast.py``) run on.
+
+FlashInfer's shape: a forward's ragged layout (which query rows belong to which request, where
+each request's keys sit) is turned into dense index tensors *once* (``plan``), and every layer
+then runs a fixed number of batched ops over them (``run``), whatever the batch size. The plans
+hold no CPU-only assumption (plain int64 / bool tensors on the rows' device): a GPU kernel can
+take the same tables.
+
+Two plans:
+
+- :class:`WindowPlan`: query rows cut into blocks of ``Q`` consecutive positions of one request;
+  block ``b`` reads the ``K = W - 1 + Q`` key positions ``[p_b - W + 1, p_b + Q - 1]`` (``p_b``
+  its first query position), each at a known row of the ragged key tensor.
+- :class:`GlobalPlan`: each request's query rows and its global entries, padded per request
+  (``(B, Tq)`` and ``(B, C)``), for the batched indexer and sparse attention.
+
+Two more for decode steps (one row per request), read by the C++ kernels in place:
+
+- :class:`RingPlan`: each query reads its request's FP8 ring directly (its own new key already
+  stored there), dequantizing only the keys in its window.
+- :class:`PoolPlan`: each query reads its request's FP4 entries from the token pool through the
+  entry row table, dequantizing index keys as it scores them and global rows only where selected.
+
+Builders take the key layout the caller produced (:func:`window_plan`): a request's keys are
+``[S ring rows, row p % S holds position p][its new rows, consecutive positions]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    q_index: Tensor  # (nb, Q) int64 query row of each block slot, -1 = padding
+    k_index: Tensor  # (nb, K) int64 ragged key row of each key slot (0 where not ok)
+    k_expect: Tensor  # (nb, K) int64 position the key slot must hold to be read
+    k_ok: Tensor  # (nb, K) bool readable by layout: at or above the floor, a row that exists
+    band: Tensor  # (Q, K) bool: key slot j is in the window of block query i (i <= j <= i + W - 1)
+
+    @property
+    def block_q(self) -> int:
+        return int(self.q_index.shape[1])
+
+
+@dataclass(frozen=True)
+class GlobalPlan:
+    q_index: Tensor  # (B, Tq) int64 query rows of each request, -1 = padding
+    c_index: Tensor  # (B, C) int64 ragged entry row of request-local entry c (0 where invalid)
+    c_valid: Tensor  # (B, C) bool entry c exists for the request
+    row_req: Tensor  # (T,) int64 request of every query row
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    codes: Tensor  # (num_slots, S, D) uint8 FP8 ring rows of one layer
+    scales: Tensor  # (num_slots, S, D / 32) uint8 E8M0
+    ring_pos: Tensor  # (num_slots, S) int64 position held by each ring row, -1 = empty
+    slot: Tensor  # (T,) int64 request slot of each query row
+    row_req: Tensor  # (T,) int64 request of each query row
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    rows: Tensor  # (num_rows, D / 2) uint8 FP4 global rows of one source
+    row_scales: Tensor  # (num_rows, D / 16) uint8 E4M3
+    index_rows: Tensor  # (num_rows, Di / 2) uint8 FP4 index keys
+    index_scales: Tensor  # (num_rows, Di / 32) uint8 E8M0
+    entry_rows: Tensor  # (Nc,) int64 pool row of each request's entries, ragged by the view's cu
+    cu_c: Tensor  # (B + 1,) int64
+    row_req: Tensor  # (T,) int64 request of every query row
+    ratio: int
+
+
+def _segments(lens: Tensor) -> tuple[Tensor, Tensor]:
+    """(B,) counts -> (sum,) owner index and (sum,) offset within the owner's segment."""
+    owner = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
+    starts = torch.cumsum(lens, 0) - lens
+    return owner, torch.arange(owner.numel(), device=lens.device) - starts[owner]
+
+
+def window_plan(cu_q: Tensor, q_first: Tensor, cu_k: Tensor, k_first: Tensor, ring_size: int,
+                floor: Tensor, window: int, block_q: int) -> WindowPlan:
+    """Blocks of ``block_q`` query rows over a ragged key layout.
+
+    cu_q: (B + 1,) query rows per request (consecutive positions from q_first (B,) int64);
+    cu_k: (B + 1,) ragged key rows per request: ``ring_size`` ring rows (position p at ring row
+    p % ring_size), then its new keys at consecutive positions from k_first (B,);
+    floor: (B,) int64 lowest readable key position. All on one device."""
+    cu_q, cu_k = cu_q.long(), cu_k.long()
+    n_q, n_new = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1] - ring_size
+    nblk = (n_q + block_q - 1) // block_q
+    req, i = _segments(nblk)
+    row0 = cu_q[:-1][req] + i * block_q  # (nb,) first query row of each block
+    q_index = row0[:, None] + torch.arange(block_q, device=cu_q.device)
+    q_index = torch.where(q_index < cu_q[1:][req][:, None], q_index, -1)
+    K = window - 1 + block_q
+    k_expect = (q_first[req] + i * block_q)[:, None] + torch.arange(K, device=cu_q.device) - (window - 1)
+    new = k_expect - k_first[req][:, None]  # (nb, K) offset among the new keys
+    k_index = torch.where(new >= 0, cu_k[:-1][req][:, None] + ring_size + new,
+                          cu_k[:-1][req][:, None] + k_expect.remainder(ring_size))
+    k_ok = (k_expect >= floor[req].clamp_min(0)[:, None]) & (new < n_new[req][:, None])
+    j = torch.arange(K, device=cu_q.device)
+    qi = torch.arange(block_q, device=cu_q.device)[:, None]
+    band = (j >= qi) & (j <= qi + window - 1)
+    return WindowPlan(q_index, torch.where(k_ok, k_index, 0), k_expect, k_ok, band)
+
+
+def global_plan(cu_q: Tensor, cu_c: Tensor) -> GlobalPlan:
+    """cu_q: (B + 1,) query rows per request; cu_c: (B + 1,) ragged entries per request."""
+    cu_q, cu_c = cu_q.long(), cu_c.long()
+    n_q, n_c = cu_q[1:] - cu_q[:-1], cu_c[1:] - cu_c[:-1]
+    Tq, C = int(n_q.max()) if n_q.numel() else 0, max(int(n_c.max()) if n_c.numel() else 0, 1)
+    t = torch.arange(Tq, device=cu_q.device)
+    q_index = torch.where(t < n_q[:, None], cu_q[:-1, None] + t, -1)
+    c = torch.arange(C, device=cu_q.device)
+    c_valid = c < n_c[:, None]
+    c_index = torch.where(c_valid, cu_c[:-1, None] + c, 0)
+    row_req, _ = _segments(n_q)
+    return GlobalPlan(q_index, c_index, c_valid, row_req)

@@ -1,0 +1,206 @@
+"""The fast CPU backend (batched plans in torch, C++ decode kernels) against the pure-torch twins.
+
+Layouts are built the way the served path builds them: each request's keys are its ring (row
+p % S holds position p, some rows empty or stale) and then its new rows; awkward sizes (1, 3,
+W - 1, W, W + 1 rows; floors cutting the window; requests with no entry). Tolerance as for the
+Triton kernels: fp32 everywhere, another summation order (~1e-6 seen).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cedar.kernels import codec_fast, cpu_ext, fp4_ref, fp8_ref, merge_fast, merge_ref, sparse_attention_fast
+from cedar.kernels import sparse_attention_ref
+from cedar.kernels import window_attention_fast, window_attention_ref
+from cedar.kernels.formats import GLOBAL_ROW, INDEX_ROW, WINDOW_ROW
+from cedar.kernels.plans import PoolPlan, RingPlan, global_plan, window_plan
+
+W, D, H, DI, HI = 128, 64, 4, 32, 2
+ATOL = 2e-5
+needs_ext = pytest.mark.skipif(not cpu_ext.available(), reason="the C++ CPU kernels could not be built here")
+
+
+def close(a, b):
+    assert a.shape == b.shape
+    assert torch.equal(torch.isinf(a), torch.isinf(b)), "different -inf pattern"
+    fin = torch.isfinite(b)
+    err = (a[fin] - b[fin]).abs().max().item() if fin.any() else 0.0
+    assert err <= ATOL, f"max error {err:.2e}"
+
+
+def ring_batch(gen, new_lens, starts, S, floors):
+    """Ragged keys [ring S rows][new rows] per request, as PoolKeys lays them out."""
+    keys, pos, cu = [], [], [0]
+    for n, first in zip(new_lens, starts):
+        ring_pos = torch.full((S,), -1, dtype=torch.long)
+        for p in range(max(0, first - S), first):  # the ring holds the last S positions before first
+            if torch.rand((), generator=gen) > 0.1:  # some rows empty
+                ring_pos[p % S] = p
+        keys += [torch.randn(S + n, D, generator=gen)]
+        pos += [ring_pos, torch.arange(first, first + n)]
+        cu.append(cu[-1] + S + n)
+    return torch.cat(keys), torch.cat(pos), torch.tensor(cu, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("new_lens,starts,S", [
+    ([1], [0], W), ([1, 1, 1], [5, 300, 129], W), ([3, W - 1, W, W + 1], [0, 40, 200, 1000], W),
+    ([300], [64], 2 * W), ([1, 17], [700, 0], 2 * W),
+])
+def test_window_plan_equals_twin(new_lens, starts, S):
+    gen = torch.Generator().manual_seed(sum(new_lens) + S)
+    k, k_pos, cu_k = ring_batch(gen, new_lens, starts, S, None)
+    lens = torch.tensor(new_lens)
+    cu_q = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).int()
+    q_pos = torch.cat([torch.arange(f, f + n) for n, f in zip(new_lens, starts)])
+    q = torch.randn(int(lens.sum()), H, D, generator=gen)
+    first = torch.tensor(starts)
+    floor = (first - torch.tensor([7, 0, 130, 3, 1][:len(starts)])).clamp_min(0)
+    sink = torch.randn(H, generator=gen)
+    for block in (1, 5, W):
+        plan = window_plan(cu_q, first, cu_k, first, S, floor, W, block)
+        for s in (sink, None):
+            got = window_attention_fast.window_attention(q, k, cu_q, cu_k, q_pos, k_pos, W, floor, s, 0.125, plan=plan)
+            want = window_attention_ref.window_attention(q, k, cu_q, cu_k, q_pos, k_pos, W, floor, s, 0.125)
+            close(got[0], want[0]); close(got[1], want[1])
+
+
+def global_batch(gen, q_lens, c_lens):
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu_c = torch.tensor([0, *torch.tensor(c_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q_pos = torch.cat([torch.randint(0, 2 * max(c, 1) + 2, (n,), generator=gen) for n, c in zip(q_lens, c_lens)])
+    c_pos = torch.cat([(torch.arange(c) + 1) * 2 - 1 for c in c_lens])
+    return cu_q, cu_c, q_pos, c_pos
+
+
+@pytest.mark.parametrize("q_lens,c_lens", [([1], [1]), ([1, 1, 1], [3, 0, 17]), ([300, 2], [130, 260])])
+def test_global_plan_equals_twin(q_lens, c_lens):
+    gen = torch.Generator().manual_seed(sum(q_lens))
+    cu_q, cu_c, q_pos, c_pos = global_batch(gen, q_lens, c_lens)
+    T, Nc = int(cu_q[-1]), int(cu_c[-1])
+    iq, iw, ik = torch.randn(T, HI, DI, generator=gen), torch.randn(T, HI, generator=gen), torch.randn(Nc, DI, generator=gen)
+    plan = global_plan(cu_q, cu_c)
+    scores = sparse_attention_fast.indexer_scores(iq, iw, ik, cu_q, cu_c, q_pos, c_pos, plan=plan)
+    close(scores, sparse_attention_ref.indexer_scores(iq, iw, ik, cu_q, cu_c, q_pos, c_pos))
+    idx = sparse_attention_ref.topk_select(scores, 16)
+    q, entries = torch.randn(T, H, D, generator=gen), torch.randn(Nc, D, generator=gen)
+    got = sparse_attention_fast.sparse_attention(q, entries, cu_q, cu_c, idx, 0.125, plan=plan)
+    want = sparse_attention_ref.sparse_attention(q, entries, cu_q, cu_c, idx, 0.125)
+    close(got[0], want[0]); close(got[1], want[1])
+
+
+def test_topk_ties_nonfinite_and_short_rows_equal_twin():
+    gen = torch.Generator().manual_seed(0)
+    s = torch.randn(40, 300, generator=gen)
+    s[:, ::3] = 0.0  # relu ties: many exact zeros
+    s[:, 200:] = float("-inf")
+    s[3, 5], s[4, 7], s[5, :290] = float("nan"), float("inf"), float("-inf")
+    for k in (1, 16, 64, 400):
+        want = sparse_attention_ref.topk_select(s, k)
+        assert torch.equal(sparse_attention_fast.topk_select_torch(s, k), want)
+        if cpu_ext.available():
+            assert torch.equal(torch.ops.cedar_cpu.topk_exact(s, k), want)
+
+
+def test_fp4_lut_dequantize_is_bit_exact():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(257, D, generator=gen) * torch.logspace(-8, 8, 257)[:, None]
+    x[3, 0], x[4, 20] = float("nan"), float("inf")
+    for fmt in (GLOBAL_ROW, INDEX_ROW):
+        xs = x if fmt is GLOBAL_ROW else x[:, :DI].contiguous()
+        packed, scales = fp4_ref.fp4_quantize(xs, fmt)
+        got, want = codec_fast.fp4_dequantize(packed, scales, fmt), fp4_ref.fp4_dequantize(packed, scales, fmt)
+        assert torch.equal(torch.isnan(got), torch.isnan(want))
+        assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
+
+
+# ------------------------------------------------------------------ the C++ decode kernels
+@needs_ext
+def test_fp8_ring_store_is_bit_identical_to_the_twin_quantizer():
+    gen = torch.Generator().manual_seed(2)
+    rows = torch.randn(9, D, generator=gen) * torch.logspace(-30, 30, 9)[:, None]
+    rows[1, 3], rows[2, 40], rows[3, :32] = float("nan"), float("-inf"), 0.0
+    rows[4, 5] = -0.0
+    codes = torch.zeros(3, W, D, dtype=torch.uint8)
+    scales = torch.zeros(3, W, D // 32, dtype=torch.uint8)
+    ring_pos = torch.full((3, W), -1, dtype=torch.long)
+    slot, pos = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1, 2]), torch.tensor([0, 5, 130, 1, 6, 131, 2, 7, 132])
+    torch.ops.cedar_cpu.fp8_ring_store(rows, slot, pos, codes, scales, ring_pos)
+    want_codes, want_scales = fp8_ref.fp8_quantize(rows, WINDOW_ROW)
+    assert torch.equal(codes[slot, pos % W], want_codes) and torch.equal(scales[slot, pos % W], want_scales)
+    assert torch.equal(ring_pos[slot, pos % W], pos)
+
+
+@needs_ext
+def test_ring_attention_equals_twin_on_the_dequantized_ring():
+    gen = torch.Generator().manual_seed(3)
+    B, S = 5, 2 * W
+    codes = torch.zeros(B + 2, S, D, dtype=torch.uint8)
+    scales = torch.zeros(B + 2, S, D // 32, dtype=torch.uint8)
+    ring_pos = torch.full((B + 2, S), -1, dtype=torch.long)
+    slot = torch.tensor([6, 0, 3, 1, 2])
+    q_pos = torch.tensor([0, 5, 127, 128, 900])
+    floor = torch.tensor([0, 3, 0, 100, 850])
+    for b in range(B):  # the ring holds the last S positions up to q_pos, a few missing
+        ps = torch.arange(max(0, int(q_pos[b]) - S + 1), int(q_pos[b]) + 1)
+        ps = ps[torch.rand(ps.shape, generator=gen) > 0.05]
+        torch.ops.cedar_cpu.fp8_ring_store(torch.randn(ps.numel(), D, generator=gen), torch.full_like(ps, int(slot[b])),
+                                           ps, codes, scales, ring_pos)
+    q, sink = torch.randn(B, H, D, generator=gen), torch.randn(H, generator=gen)
+    keys = fp8_ref.fp8_dequantize(codes[slot].view(-1, D), scales[slot].view(-1, D // 32), WINDOW_ROW)
+    cu = torch.arange(B + 1, dtype=torch.int32)
+    for s in (sink, None):
+        plan = RingPlan(codes, scales, ring_pos, slot, torch.arange(B))
+        got = window_attention_fast.window_attention(q, keys[:0], cu, cu, q_pos, q_pos[:0], W, floor, s, 0.125, plan=plan)
+        want = window_attention_ref.window_attention(q, keys, cu, cu * S, q_pos, ring_pos[slot].view(-1), W, floor, s, 0.125)
+        close(got[0], want[0]); close(got[1], want[1])
+
+
+@needs_ext
+def test_pool_indexer_and_sparse_attention_equal_twins_on_dequantized_rows():
+    gen = torch.Generator().manual_seed(4)
+    c_lens, ratio = [1, 0, 37, 300], 2
+    R = sum(c_lens) + 10
+    perm = torch.randperm(R, generator=gen)[:sum(c_lens)]  # entries sit anywhere in the pool
+    rows, row_scales = fp4_ref.fp4_quantize(torch.randn(R, D, generator=gen), GLOBAL_ROW)
+    index_rows, index_scales = fp4_ref.fp4_quantize(torch.randn(R, DI, generator=gen), INDEX_ROW)
+    cu_c = torch.tensor([0, *torch.tensor(c_lens).cumsum(0).tolist()])
+    q_pos = torch.tensor([1, 9, 40, 599])
+    cu_q = torch.arange(5, dtype=torch.int32)
+    c_pos = torch.cat([(torch.arange(c) + 1) * ratio - 1 for c in c_lens])
+    plan = PoolPlan(rows, row_scales, index_rows, index_scales, perm, cu_c, torch.arange(4), ratio)
+    iq, iw = torch.randn(4, HI, DI, generator=gen), torch.randn(4, HI, generator=gen)
+    ik = fp4_ref.fp4_dequantize(index_rows[perm], index_scales[perm], INDEX_ROW)
+    scores = sparse_attention_fast.indexer_scores(iq, iw, None, cu_q, cu_c.int(), q_pos, c_pos, plan=plan)
+    close(scores, sparse_attention_ref.indexer_scores(iq, iw, ik, cu_q, cu_c.int(), q_pos, c_pos))
+    idx = sparse_attention_ref.topk_select(scores, 16)
+    q = torch.randn(4, H, D, generator=gen)
+    entries = fp4_ref.fp4_dequantize(rows[perm], row_scales[perm], GLOBAL_ROW)
+    got = sparse_attention_fast.sparse_attention(q, None, cu_q, cu_c.int(), idx, 0.125, plan=plan)
+    want = sparse_attention_ref.sparse_attention(q, entries, cu_q, cu_c.int(), idx, 0.125)
+    close(got[0], want[0]); close(got[1], want[1])
+
+
+@needs_ext
+def test_cpp_quantizers_are_bit_identical_to_the_twins():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(300, D, generator=gen) * torch.logspace(-40, 38, 300)[:, None]
+    x[3, 0], x[4, 20], x[5, 33], x[6, :] = float("nan"), float("inf"), float("-inf"), 0.0
+    x[7, 1], x[8, :16] = -0.0, 1e-30  # a group whose E4M3 scale flushes to zero
+    got, want = codec_fast.fp8_quantize(x, WINDOW_ROW), fp8_ref.fp8_quantize(x, WINDOW_ROW)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for fmt, xs in ((GLOBAL_ROW, x), (INDEX_ROW, x[:, :DI].contiguous())):
+        got, want = codec_fast.fp4_quantize(xs, fmt), fp4_ref.fp4_quantize(xs, fmt)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), fmt
+
+
+@needs_ext
+def test_cpp_merge_equals_twin_with_empty_sides():
+    gen = torch.Generator().manual_seed(6)
+    oa, ob = torch.randn(7, H, D, generator=gen), torch.randn(7, H, D, generator=gen)
+    la, lb = torch.randn(7, H, generator=gen) * 5, torch.randn(7, H, generator=gen) * 5
+    la[0], lb[1], la[2], lb[2] = float("-inf"), float("-inf"), float("-inf"), float("-inf")
+    oa[0], ob[1], oa[2], ob[2] = 0, 0, 0, 0
+    got, want = merge_fast.merge_states(oa, la, ob, lb), merge_ref.merge_states(oa, la, ob, lb)
+    close(got[0], want[0]); close(got[1], want[1])
