@@ -5,7 +5,8 @@
   generate    greedy generation through the pure-torch reference path
   serve       serve a model with SGLang's own HTTP server (extra flags go to SGLang)
   serve-demo  serve the shipped model, send it raw requests (a repeated prefix among them), stop
-  bench       benchmarks against the real server (``cedar bench hits``: TTFT of prefix-cache hits)
+  bench       benchmarks against the real server (``cedar bench hits``: TTFT of prefix-cache hits;
+              ``prefill``: decoder narrowing; ``engine``: Cedar vs stock SGLang, same-dims Llama)
 
 Commands of the layers above (``cedar agent run``, ``cedar demo``) come in through the
 ``cedar.commands`` entry point group: each entry is a function that adds its subparsers.
@@ -118,6 +119,17 @@ def _cmd_bench_prefill(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_engine(args: argparse.Namespace) -> int:
+    from .bench.engine import QUICK, EngineGrid, format_table, run_engine_benchmark
+    from .demo import ensure_model
+
+    ensure_model(Path(args.model))
+    report = run_engine_benchmark(Path(args.model), Path(args.json), args.plot, QUICK if args.quick else EngineGrid())
+    print(format_table(report["table"]))
+    print(f"[bench engine] {report['wall_s']} s; wrote {args.json}" + (f" and {args.plot}" if args.plot else ""))
+    return 0
+
+
 def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks against the real SGLang server")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
@@ -125,7 +137,9 @@ def _add_bench(sub) -> None:
             ("hits", _cmd_bench_hits, "TTFT of cold requests vs prefix-cache hits (replay in-forward, per "
              "request, restored snapshot)", "prefixes 256,1024; 16 new tokens; C 1,8; 2 repeats"),
             ("prefill", _cmd_bench_prefill, "TTFT of cold prefills with decoder narrowing on vs off (+ analytic bound)",
-             "prompts 512, 2048; 2 repeats")):
+             "prompts 512, 2048; 2 repeats"),
+            ("engine", _cmd_bench_engine, "Cedar vs stock SGLang serving a random Llama of the same dims: decode "
+             "tok/s, cold TTFT, hits", "decode b1/b4 at 256, cold 256/1024, a 1024 hit; Cedar then stock once")):
         s = kinds.add_parser(name, help=help_)
         s.add_argument("--json", required=True, help="write the report here")
         s.add_argument("--plot", default=None, help="also write a PNG bar chart here")

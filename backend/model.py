@@ -47,10 +47,15 @@ class CEDModel(nn.Module):
         self.layers = nn.ModuleList(CEDLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.use_kernels(self.kernels)
 
     def use_kernels(self, kernels: KernelSet) -> "CEDModel":
         """Run on another kernel set (the weights stay); returns self."""
         self.kernels, self.codec = kernels, KVCodec(kernels, self.codec.quantize)
+        self.fast = getattr(kernels, "backend", None) == "fast"  # NOTE: norms and RoPE in C++ too
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.fast = self.fast
         return self
 
     # ------------------------------------------------------------------ public entry points
@@ -96,7 +101,7 @@ class CEDModel(nn.Module):
         # row; its attention and every later layer run on the decoder rows only.
         src = self.layers[E]
         keys.write_global(E, src.compressor, h, batch)
-        rope = batch.rope(self.cfg.kv_latent_dim, self.cfg.rope_dim, self.cfg.rope_theta)
+        rope = batch.rope(self.cfg.kv_latent_dim, self.cfg.rope_dim, self.cfg.rope_theta, self.fast)
         wk = keys.window_keys(E, src.window_kv(src.attn_norm(h), rope), batch)
         dec = keys.decoder_rows(h, batch)
         if dec is None or dec.hidden.shape[0] == 0:  # every request stops at the cut
@@ -115,7 +120,7 @@ class CEDModel(nn.Module):
                    selections: dict[int, Tensor], window: WindowKeys | None) -> Tensor:
         cfg, i, k = self.cfg, layer.layer_id, self.kernels
         cu, pos = batch.cu, batch.pos
-        rope = batch.rope(cfg.kv_latent_dim, cfg.rope_dim, cfg.rope_theta)
+        rope = batch.rope(cfg.kv_latent_dim, cfg.rope_dim, cfg.rope_theta, self.fast)
         if layer.compressor is not None and i != cfg.decoder_start:
             keys.write_global(i, layer.compressor, h, batch)
         hn = layer.attn_norm(h)
@@ -129,8 +134,8 @@ class CEDModel(nn.Module):
             view = keys.global_view(source)
             if layer.has_indexer:
                 iq, iw = layer.index_queries(hn)
-                scores = k.indexer_scores(iq, iw, view.index_keys, cu, view.cu, pos, view.entry_pos, plan=view.plan)
-                selections[i] = k.topk_select(scores, cfg.index_topk)
+                selections[i] = k.indexer_topk(iq, iw, view.index_keys, cu, view.cu, pos, view.entry_pos,
+                                               cfg.index_topk, plan=view.plan)
             og, lg = k.sparse_attention(q, view.entries, cu, view.cu, selections[cfg.topk_source_of(i)],
                                         layer.scale, plan=view.plan)
             o, lse = k.merge_states(o, lse, og, lg)

@@ -7,15 +7,20 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from cedar.kernels import cpu_ext
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fast = False  # NOTE: set by CEDModel on the fast CPU backend (one C++ call, no autograd)
 
     def forward(self, x: Tensor) -> Tensor:  # (..., dim) -> (..., dim) float32
         x = x.float()
+        if _inference_cpp(x, self.fast):
+            return torch.ops.cedar_cpu.rms_norm(x.contiguous(), self.weight.detach(), self.eps)
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
@@ -41,6 +46,7 @@ class Rope:
     sin_inverse: Tensor  # (T, D) float32, signed for the inverse rotation
     partner: Tensor  # (D,) int64 the dim each dim pairs with (itself for a plain dim)
     rope_dim: int
+    fast: bool = False  # apply in one C++ call (the fast CPU backend, no autograd)
 
     def partners(self, x: Tensor) -> Tensor:
         """x[..., partner]; NOTE: where rope_dim divides D, swapping the halves of every
@@ -51,7 +57,7 @@ class Rope:
         return x.reshape(*x.shape[:-1], D // self.rope_dim, 2, self.rope_dim // 2).flip(-2).reshape(x.shape)
 
     @classmethod
-    def of(cls, pos: Tensor, dim: int, rope_dim: int, theta: float) -> "Rope":
+    def of(cls, pos: Tensor, dim: int, rope_dim: int, theta: float, fast: bool = False) -> "Rope":
         half, plain = rope_dim // 2, dim - rope_dim
         freqs = theta ** (-torch.arange(half, dtype=torch.float64, device=pos.device) / half)  # (half,)
         ang = pos.to(torch.float64)[:, None] * freqs[None, :]  # (T, half)
@@ -60,7 +66,7 @@ class Rope:
         d = torch.arange(dim, device=pos.device)
         partner = torch.where(d < plain, d, torch.where(d < plain + half, d + half, d - half))
         return cls(torch.cat([ones, cos, cos], 1), torch.cat([zeros, -sin, sin], 1),
-                   torch.cat([zeros, sin, -sin], 1), partner, rope_dim)
+                   torch.cat([zeros, sin, -sin], 1), partner, rope_dim, fast)
 
 
 def apply_rope(x: Tensor, pos: "Tensor | Rope", rope_dim: int, theta: float, inverse: bool = False) -> Tensor:
@@ -73,4 +79,13 @@ def apply_rope(x: Tensor, pos: "Tensor | Rope", rope_dim: int, theta: float, inv
     rope = pos if isinstance(pos, Rope) else Rope.of(pos, x.shape[-1], rope_dim, theta)
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (x.shape[-1],)
     sin = rope.sin_inverse if inverse else rope.sin
+    if _inference_cpp(x, rope.fast):
+        return torch.ops.cedar_cpu.rope(x.contiguous(), rope.cos, sin, rope.partner)
     return x * rope.cos.view(shape) + rope.partners(x) * sin.view(shape)
+
+
+def _inference_cpp(x: Tensor, fast: bool) -> bool:
+    """Norms and RoPE in one C++ call each on a model of the fast CPU backend, where no autograd
+    runs (training keeps the torch ops) and the C++ kernels are built."""
+    return fast and not torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype == torch.float32 \
+        and cpu_ext.available()

@@ -33,12 +33,12 @@ class RowBatch:
     def cu(self) -> Tensor:  # (B + 1,) int32
         return cu_seqlens(self.lens)
 
-    def rope(self, dim: int, rope_dim: int, theta: float) -> Rope:
+    def rope(self, dim: int, rope_dim: int, theta: float, fast: bool = False) -> Rope:
         """The rows' RoPE tables, computed on first use and kept for every layer of the forward."""
         cache = self.__dict__.setdefault("_rope", {})
-        key = (dim, rope_dim, theta)
+        key = (dim, rope_dim, theta, fast)
         if key not in cache:
-            cache[key] = Rope.of(self.pos, dim, rope_dim, theta)
+            cache[key] = Rope.of(self.pos, dim, rope_dim, theta, fast)
         return cache[key]
 
     def bounds(self, b: int) -> tuple[int, int]:

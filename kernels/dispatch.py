@@ -39,6 +39,11 @@ OPS: dict[str, dict[str, str]] = {
         "triton": "sparse_attention_triton:topk_select",
         "fast": "sparse_attention_fast:topk_select",
     },
+    "indexer_topk": {
+        "torch": "sparse_attention_ref:indexer_topk",
+        "triton": "sparse_attention_triton:indexer_topk",
+        "fast": "sparse_attention_fast:indexer_topk",
+    },
     "sparse_attention": {
         "torch": "sparse_attention_ref:sparse_attention",
         "triton": "sparse_attention_triton:sparse_attention",

@@ -8,9 +8,10 @@ take the same tables.
 
 Two plans:
 
-- :class:`WindowPlan`: query rows cut into blocks of ``Q`` consecutive positions of one request;
-  block ``b`` reads the ``K = W - 1 + Q`` key positions ``[p_b - W + 1, p_b + Q - 1]`` (``p_b``
-  its first query position), each at a known row of the ragged key tensor.
+- :class:`WindowPlan`: where each request's keys sit (its ring rows, then its new rows at
+  consecutive positions) and which queries read them; the C++ kernel walks each query's window
+  in it, the batched-torch path cuts queries into blocks of ``Q`` consecutive positions that read
+  ``K = W - 1 + Q`` key positions each (:class:`WindowBlocks`).
 - :class:`GlobalPlan`: each request's query rows and its global entries, padded per request
   (``(B, Tq)`` and ``(B, C)``), for the batched indexer and sparse attention.
 
@@ -28,24 +29,38 @@ Builders take the key layout the caller produced (:func:`window_plan`): a reques
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
 
 
 @dataclass(frozen=True)
-class WindowPlan:
+class WindowBlocks:
     q_index: Tensor  # (nb, Q) int64 query row of each block slot, -1 = padding
     k_index: Tensor  # (nb, K) int64 ragged key row of each key slot (0 where not ok)
     k_expect: Tensor  # (nb, K) int64 position the key slot must hold to be read
     k_ok: Tensor  # (nb, K) bool readable by layout: at or above the floor, a row that exists
     band: Tensor  # (Q, K) bool: key slot j is in the window of block query i (i <= j <= i + W - 1)
 
-    @property
-    def block_q(self) -> int:
-        return int(self.q_index.shape[1])
 
+@dataclass(frozen=True)
+class WindowPlan:
+    """The key layout of one window read (who reads what); ``blocks`` are built on first use."""
 
+    cu_q: Tensor  # (B + 1,) int64 query rows per request
+    q_first: Tensor  # (B,) int64 position of each request's first query row
+    row_req: Tensor  # (T,) int64 request of every query row
+    cu_k: Tensor  # (B + 1,) int64 ragged keys per request: ring_size ring rows, then new rows
+    k_first: Tensor  # (B,) int64 position of each request's first new key
+    floor: Tensor  # (B,) int64 lowest readable key position
+    ring_size: int
+    window: int
+    block_q: int  # query rows per block of the batched-torch path
+
+    @cached_property
+    def blocks(self) -> WindowBlocks:
+        return _window_blocks(self)
 @dataclass(frozen=True)
 class GlobalPlan:
     q_index: Tensor  # (B, Tq) int64 query rows of each request, -1 = padding
@@ -84,13 +99,21 @@ def _segments(lens: Tensor) -> tuple[Tensor, Tensor]:
 
 def window_plan(cu_q: Tensor, q_first: Tensor, cu_k: Tensor, k_first: Tensor, ring_size: int,
                 floor: Tensor, window: int, block_q: int) -> WindowPlan:
-    """Blocks of ``block_q`` query rows over a ragged key layout.
+    """A window read over a ragged key layout.
 
     cu_q: (B + 1,) query rows per request (consecutive positions from q_first (B,) int64);
     cu_k: (B + 1,) ragged key rows per request: ``ring_size`` ring rows (position p at ring row
     p % ring_size), then its new keys at consecutive positions from k_first (B,);
     floor: (B,) int64 lowest readable key position. All on one device."""
-    cu_q, cu_k = cu_q.long(), cu_k.long()
+    cu_q = cu_q.long()
+    row_req, _ = _segments(cu_q[1:] - cu_q[:-1])
+    return WindowPlan(cu_q, q_first, row_req, cu_k.long(), k_first, floor, ring_size, window, block_q)
+
+
+def _window_blocks(plan: WindowPlan) -> WindowBlocks:
+    """Query rows in blocks of ``block_q`` consecutive positions of one request; block b reads
+    the K = W - 1 + Q key positions [p_b - W + 1, p_b + Q - 1] (p_b its first query position)."""
+    cu_q, cu_k, block_q, window, ring_size = plan.cu_q, plan.cu_k, plan.block_q, plan.window, plan.ring_size
     n_q, n_new = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1] - ring_size
     nblk = (n_q + block_q - 1) // block_q
     req, i = _segments(nblk)
@@ -98,15 +121,15 @@ def window_plan(cu_q: Tensor, q_first: Tensor, cu_k: Tensor, k_first: Tensor, ri
     q_index = row0[:, None] + torch.arange(block_q, device=cu_q.device)
     q_index = torch.where(q_index < cu_q[1:][req][:, None], q_index, -1)
     K = window - 1 + block_q
-    k_expect = (q_first[req] + i * block_q)[:, None] + torch.arange(K, device=cu_q.device) - (window - 1)
-    new = k_expect - k_first[req][:, None]  # (nb, K) offset among the new keys
+    k_expect = (plan.q_first[req] + i * block_q)[:, None] + torch.arange(K, device=cu_q.device) - (window - 1)
+    new = k_expect - plan.k_first[req][:, None]  # (nb, K) offset among the new keys
     k_index = torch.where(new >= 0, cu_k[:-1][req][:, None] + ring_size + new,
                           cu_k[:-1][req][:, None] + k_expect.remainder(ring_size))
-    k_ok = (k_expect >= floor[req].clamp_min(0)[:, None]) & (new < n_new[req][:, None])
+    k_ok = (k_expect >= plan.floor[req].clamp_min(0)[:, None]) & (new < n_new[req][:, None])
     j = torch.arange(K, device=cu_q.device)
     qi = torch.arange(block_q, device=cu_q.device)[:, None]
     band = (j >= qi) & (j <= qi + window - 1)
-    return WindowPlan(q_index, torch.where(k_ok, k_index, 0), k_expect, k_ok, band)
+    return WindowBlocks(q_index, torch.where(k_ok, k_index, 0), k_expect, k_ok, band)
 
 
 def global_plan(cu_q: Tensor, cu_c: Tensor) -> GlobalPlan:

@@ -84,6 +84,20 @@ def topk_select_torch(scores: Tensor, k: int) -> Tensor:
     return idx
 
 
+def indexer_topk(q_idx: Tensor, w_idx: Tensor, k_idx: Tensor | None, cu_seqlens_q: Tensor,
+                 cu_seqlens_c: Tensor, q_pos: Tensor, c_pos: Tensor, k: int,
+                 plan: GlobalPlan | PoolPlan | None = None) -> Tensor:
+    """As the twin; with a :class:`PoolPlan` one C++ pass per query row scores its visible entries
+    (index keys from ``k_idx`` when given, else dequantized from the pool in place) and keeps the
+    k best in a heap: no (T, C) score matrix (8k x 4k floats on an 8k prompt)."""
+    if isinstance(plan, PoolPlan):
+        return torch.ops.cedar_cpu.indexer_topk(
+            q_idx.float().contiguous(), w_idx.float().contiguous(),
+            None if k_idx is None else k_idx.float().contiguous(), plan.index_rows, plan.index_scales,
+            plan.entry_rows, plan.cu_c, plan.row_req, q_pos, plan.ratio, k)
+    return topk_select(indexer_scores(q_idx, w_idx, k_idx, cu_seqlens_q, cu_seqlens_c, q_pos, c_pos, plan=plan), k)
+
+
 def sparse_attention(q: Tensor, entries: Tensor, cu_seqlens_q: Tensor, cu_seqlens_c: Tensor,
                      indices: Tensor, scale: float, plan: GlobalPlan | PoolPlan | None = None) -> tuple[Tensor, Tensor]:
     """As the twin: out (T, H, D) f32 and lse (T, H) f32; a query with no entry gets (0, -inf).

@@ -5,6 +5,7 @@
    position (``c_pos[c] > q_pos[i]``) score ``-inf``.
 2. ``topk_select``: the ``k`` best entries per query, best first, ties to the lower entry id;
    ``-1`` pads where fewer than ``k`` entries are visible ("top-k larger than the candidates").
+   ``indexer_topk`` is 1 then 2 (the fast CPU kernel fuses them, never holding (T, C) scores).
 3. ``sparse_attention``: attention of each query over its selected entries (K = V), returning a
    partial ``(out, lse)`` to merge with the window partial.
 
@@ -60,6 +61,12 @@ def topk_select(scores: Tensor, k: int) -> Tensor:
     if k > C:
         idx = torch.cat([idx, torch.full((T, k - C), -1, dtype=torch.int32, device=scores.device)], 1)
     return idx
+
+
+def indexer_topk(q_idx: Tensor, w_idx: Tensor, k_idx: Tensor, cu_seqlens_q: Tensor, cu_seqlens_c: Tensor,
+                 q_pos: Tensor, c_pos: Tensor, k: int, plan=None) -> Tensor:
+    """``topk_select(indexer_scores(...), k)``: (T, k) int32 request-local entry ids, best first."""
+    return topk_select(indexer_scores(q_idx, w_idx, k_idx, cu_seqlens_q, cu_seqlens_c, q_pos, c_pos), k)
 
 
 def sparse_attention(q: Tensor, entries: Tensor, cu_seqlens_q: Tensor, cu_seqlens_c: Tensor,

@@ -277,6 +277,12 @@ def topk_select(scores: Tensor, k: int) -> Tensor:
     return out
 
 
+def indexer_topk(q_idx: Tensor, w_idx: Tensor, k_idx: Tensor, cu_seqlens_q: Tensor, cu_seqlens_c: Tensor,
+                 q_pos: Tensor, c_pos: Tensor, k: int, plan=None) -> Tensor:
+    """The two kernels in turn (same contract as ``sparse_attention_ref.indexer_topk``)."""
+    return topk_select(indexer_scores(q_idx, w_idx, k_idx, cu_seqlens_q, cu_seqlens_c, q_pos, c_pos), k)
+
+
 def sparse_attention(q: Tensor, entries: Tensor, cu_seqlens_q: Tensor, cu_seqlens_c: Tensor,
                      indices: Tensor, scale: float, plan=None) -> tuple[Tensor, Tensor]:
     """Attention over each query's selected entries (same contract as the twin), K = V.

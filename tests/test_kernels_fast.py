@@ -48,22 +48,31 @@ def ring_batch(gen, new_lens, starts, S, floors):
     ([1], [0], W), ([1, 1, 1], [5, 300, 129], W), ([3, W - 1, W, W + 1], [0, 40, 200, 1000], W),
     ([300], [64], 2 * W), ([1, 17], [700, 0], 2 * W),
 ])
-def test_window_plan_equals_twin(new_lens, starts, S):
+@pytest.mark.parametrize("tail", [0, 1])
+def test_window_plan_equals_twin(new_lens, starts, S, tail):
+    """tail=1: the queries are each request's last W rows only (layer E's decoder tail), reading
+    keys laid out from the request's first new row."""
     gen = torch.Generator().manual_seed(sum(new_lens) + S)
     k, k_pos, cu_k = ring_batch(gen, new_lens, starts, S, None)
-    lens = torch.tensor(new_lens)
+    q_lens = [min(n, W) if tail else n for n in new_lens]
+    q_first = torch.tensor([f + n - m for n, f, m in zip(new_lens, starts, q_lens)])
+    lens = torch.tensor(q_lens)
     cu_q = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).int()
-    q_pos = torch.cat([torch.arange(f, f + n) for n, f in zip(new_lens, starts)])
+    q_pos = torch.cat([torch.arange(f, f + n) for n, f in zip(q_lens, q_first.tolist())])
     q = torch.randn(int(lens.sum()), H, D, generator=gen)
     first = torch.tensor(starts)
     floor = (first - torch.tensor([7, 0, 130, 3, 1][:len(starts)])).clamp_min(0)
     sink = torch.randn(H, generator=gen)
     for block in (1, 5, W):
-        plan = window_plan(cu_q, first, cu_k, first, S, floor, W, block)
+        plan = window_plan(cu_q, q_first, cu_k, first, S, floor, W, block)
         for s in (sink, None):
-            got = window_attention_fast.window_attention(q, k, cu_q, cu_k, q_pos, k_pos, W, floor, s, 0.125, plan=plan)
             want = window_attention_ref.window_attention(q, k, cu_q, cu_k, q_pos, k_pos, W, floor, s, 0.125)
+            got = window_attention_fast._blocked(q, k, k_pos, s, 0.125, plan.blocks)  # the batched-torch path
             close(got[0], want[0]); close(got[1], want[1])
+            if cpu_ext.available():
+                got = window_attention_fast.window_attention(q, k, cu_q, cu_k, q_pos, k_pos, W, floor, s, 0.125,
+                                                             plan=plan)
+                close(got[0], want[0]); close(got[1], want[1])
 
 
 def global_batch(gen, q_lens, c_lens):
@@ -204,3 +213,22 @@ def test_cpp_merge_equals_twin_with_empty_sides():
     oa[0], ob[1], oa[2], ob[2] = 0, 0, 0, 0
     got, want = merge_fast.merge_states(oa, la, ob, lb), merge_ref.merge_states(oa, la, ob, lb)
     close(got[0], want[0]); close(got[1], want[1])
+
+
+@needs_ext
+def test_cpp_norm_and_rope_equal_the_torch_modules():
+    from cedar.backend.modules import RMSNorm, Rope, apply_rope
+
+    gen = torch.Generator().manual_seed(7)
+    norm = RMSNorm(D, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(D, generator=gen))
+    x = torch.randn(33, H, D, generator=gen)
+    with torch.no_grad():
+        want = norm(x)
+        norm.fast = True
+        close(norm(x), want)
+        pos = torch.randint(0, 16384, (33,), generator=gen)
+        for inverse in (False, True):
+            want = apply_rope(x, Rope.of(pos, D, 16, 10000.0), 16, 10000.0, inverse)
+            close(apply_rope(x, Rope.of(pos, D, 16, 10000.0, fast=True), 16, 10000.0, inverse), want)

@@ -78,7 +78,7 @@ class SpyKernels:
 
     def __getattr__(self, op):
         fn = getattr(self.inner, op)
-        if op not in ("sparse_attention", "topk_select"):
+        if op not in ("sparse_attention", "indexer_topk"):
             return fn
 
         def spy(*args, **kw):
@@ -97,7 +97,7 @@ def test_reuse_layers_read_their_sources(models):
     model.extend(cache, prompt, 0, ExtendPlan(narrow=False))
     calls = spy.calls
     sparse = [c for c in calls if c[0] == "sparse_attention"]
-    topk = [c for c in calls if c[0] == "topk_select"]
+    topk = [c for c in calls if c[0] == "indexer_topk"]
     # layers with a global branch, in order: 1 2 3 (source 1, r=2) and 4 5 6 7 (source 4, r=1)
     assert len(sparse) == 7 and len(topk) == 3  # index producers: 1, 4, 6
     rows = lambda c: c[1][1]  # noqa: E731  entries tensor

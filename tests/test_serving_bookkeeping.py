@@ -21,10 +21,12 @@ from serving_harness import Harness
 CFG = cedar_tiny()
 W = CFG.sliding_window
 # Quantized caches: a last-bit difference in an activation can flip one FP8 / FP4 code, and the
-# flip moves later logits. Seen: 3e-4 on the twins; up to 4e-3 on the fast backend, whose kernels
-# agree with the twins to ~1e-6 (tests/test_kernels_fast.py) but sum in another order. A wrong key,
-# floor or slot moves them by O(1) (a stale-slot read: 2.4).
-ATOL = {"torch": 2e-3, "fast": 1e-2}
+# flip moves later logits (an FP4 index key that flips can change a top-k selection). Seen: 3e-4
+# on the twins; up to 1.8e-2 on the fast backend, whose kernels agree with the twins to ~1e-6
+# (tests/test_kernels_fast.py) but sum in another order. The bookkeeping (PoolKeys, BatchTables)
+# is the same for both, held to the twins' tolerance; a wrong key, floor or slot moves logits by
+# O(1) (a stale-slot read: 2.4), far outside either.
+ATOL = {"torch": 2e-3, "fast": 5e-2}
 
 
 BACKEND = ["torch"]  # the backend of the module's current model (set by its fixture)

@@ -33,13 +33,14 @@ class RowSet:
     first: Tensor  # (B,) int64 first position of each request's rows (its seq_len if none)
     lens: Tensor  # (B,) int64 rows per request
     cu: Tensor  # (B + 1,) int64 row offsets
+    owner: Tensor  # (T,) int64 request of every row
 
 
 def _row_set(first: Tensor, lens: Tensor) -> RowSet:
     owner = torch.repeat_interleave(torch.arange(lens.numel()), lens)
     cu = torch.cat([lens.new_zeros(1), torch.cumsum(lens, 0)])
     pos = first[owner] + torch.arange(owner.numel()) - cu[:-1][owner]
-    return RowSet(RowBatch(pos, tuple(lens.tolist())), first, lens, cu)
+    return RowSet(RowBatch(pos, tuple(lens.tolist())), first, lens, cu, owner)
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ class BatchTables:
     _rings: dict = field(default_factory=dict)
     _window_plans: dict = field(default_factory=dict)
     _global_plans: dict = field(default_factory=dict)
+    single_row: bool = False  # a decode step: every request runs one row, the decoder on it
 
     @classmethod
     def build(cls, cfg: CEDConfig, plan: ServedForward, slots: RequestSlots) -> "BatchTables":
@@ -107,6 +109,8 @@ class BatchTables:
         seq = torch.tensor([r.seq_len for r in reqs], **long)
         first = torch.tensor([r.row_start for r in reqs], **long)
         floor = torch.tensor([r.window_floor for r in reqs], **long)
+        if all(r.num_rows == 1 and r.decoder == "all" for r in reqs):
+            return cls._decode(cfg, reqs, slot, seq, first, floor)
         enc = _row_set(first, seq - first)
         keep = torch.tensor([r.row_start if r.decoder == "all" else
                              max(r.window_floor, r.seq_len - W) if r.decoder == "tail" else r.seq_len
@@ -129,12 +133,28 @@ class BatchTables:
                    slot[enc_owner][kept] * W + enc.batch.pos[kept] % W,
                    torch.cat([r.token_slots for r in reqs]), torch.cumsum(seq, 0) - seq)
 
+    @classmethod
+    def _decode(cls, cfg: CEDConfig, reqs, slot: Tensor, seq: Tensor, first: Tensor, floor: Tensor) -> "BatchTables":
+        """A decode step (one row per request, the decoder on it): the same tables, written down
+        directly (NOTE: the encoder and decoder rows are one row set, so RoPE tables are shared)."""
+        B, W = len(reqs), cfg.sliding_window
+        rows = torch.arange(B)
+        ones = torch.ones(B, dtype=torch.long)
+        enc = RowSet(RowBatch(first, (1,) * B), first, ones, torch.arange(B + 1), rows)
+        out = cls(cfg, slot, seq, enc, enc, floor, floor, rows, rows, rows, slot * W + first % W,
+                  torch.cat([r.token_slots for r in reqs]), torch.cumsum(seq, 0) - seq)
+        out.single_row = True
+        return out
+
     # ------------------------------------------------------------------ global KV
     def groups(self, ratio: int, prefix_len: Tensor, tail_len: Tensor | None) -> GroupWrites:
         """Groups of ``ratio`` each request completes in this forward and writes (those ending at
         or above its prefix, the write floor), and its pending tail after it.
         prefix_len: (B,) int64; tail_len: (num_slots,) int64 pending rows per slot (ratio > 1)."""
         if ratio in self._groups:
+            return self._groups[ratio]
+        if self.single_row:
+            self._groups[ratio] = self._decode_groups(ratio, tail_len)
             return self._groups[ratio]
         r, enc, T = ratio, self.enc, self.enc.batch.num_rows
         t = enc.first % r
@@ -158,6 +178,22 @@ class BatchTables:
         out = GroupWrites(src, g_first, dst, tail_src, tail_dst, self.seq_len % r)
         self._groups[ratio] = out
         return out
+
+    def _decode_groups(self, r: int, tail_len: Tensor | None) -> GroupWrites:
+        """One row per request at position p: its group completes iff (p + 1) % r == 0, its first
+        r - 1 members pending in the slot's tail; else the row joins the tail."""
+        p, B = self.enc.first, self.slots.numel()
+        if r > 1 and not torch.equal(tail_len[self.slots], p % r):
+            raise RuntimeError(f"compressor tails disagree with the request positions (ratio {r})")
+        done = (p + 1) % r == 0
+        req = torch.nonzero(done).view(-1)
+        j = torch.arange(r)
+        src = torch.where(j == r - 1, req[:, None], B + self.slots[req][:, None] * max(r - 1, 1) + j).reshape(-1)
+        g_first = p[req] - (r - 1)
+        dst = self.token_slot_flat[self.token_slot_start[req] + g_first] // r
+        pending = torch.nonzero(~done).view(-1)
+        return GroupWrites(src, g_first, dst, pending, self.slots[pending] * max(r - 1, 1) + p[pending] % r,
+                           self.seq_len % r)
 
     def entries(self, ratio: int) -> EntryLayout:
         if ratio not in self._entries:

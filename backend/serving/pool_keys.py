@@ -41,8 +41,8 @@ class PoolKeys(KeySource):
         self.views: dict[int, GlobalView] = {}
         # NOTE: a decode step (one row per request, decoder on it) reads rings and pools in place
         # through the C++ kernels; every other forward runs the batched torch plans.
-        self.in_place = (codec.quantize and codec.kernels.backend_of("window_attention") == "fast"
-                         and cpu_ext.available() and all(r.num_rows == 1 and r.decoder == "all" for r in plan.requests))
+        self.cpp = codec.quantize and codec.kernels.backend_of("window_attention") == "fast" and cpu_ext.available()
+        self.in_place = self.cpp and all(r.num_rows == 1 and r.decoder == "all" for r in plan.requests)
         self.row_req = torch.arange(len(plan.requests))
 
     # ------------------------------------------------------------------ global KV
@@ -70,9 +70,13 @@ class PoolKeys(KeySource):
         if source not in self.views:
             src, ent = self.pools.sources[source], self.tables.entries(self.pools.sources[source].ratio)
             idx = ent.rows
-            if self.in_place:
-                self.views[source] = GlobalView(None, None, ent.entry_pos, ent.cu, PoolPlan(
-                    src.rows, src.row_scales, src.index_rows, src.index_scales, idx, ent.cu.long(), self.row_req,
+            if self.cpp:  # NOTE: global rows are read in place (only the selected ones); index keys
+                # too in a decode step, else dequantized once for the forward's many query rows
+                rows = self.tables.dec if source >= self.cfg.decoder_start else self.tables.enc
+                index_keys = None if self.in_place else \
+                    self.codec.decode("index", src.index_rows[idx], src.index_scales[idx])
+                self.views[source] = GlobalView(None, index_keys, ent.entry_pos, ent.cu, PoolPlan(
+                    src.rows, src.row_scales, src.index_rows, src.index_scales, idx, ent.cu.long(), rows.owner,
                     src.ratio))
                 return self.views[source]
             self.views[source] = GlobalView(

@@ -31,11 +31,22 @@ class PrefixHasher:
     def advance(self, token_slots: Tensor, token_ids_of_slot: Tensor, seq_len: int) -> None:
         """token_slots: (>= seq_len,) the request's slots; token_ids_of_slot: the pool's table."""
         end = seq_len - seq_len % self.page_size
+        if end <= self.upto:
+            return
+        # NOTE: only the last KEEP_BOUNDARIES boundaries are kept: hash everything before them in
+        # one update (the same bytes as page by page), then page by page.
+        bulk = max(self.upto, end - KEEP_BOUNDARIES * self.page_size)
+        self._update(token_slots, token_ids_of_slot, self.upto, bulk)
+        self.upto = bulk
         while self.upto < end:
             nxt = self.upto + self.page_size
-            slots = token_slots[self.upto:nxt].long()
-            self._h.update(torch.stack([slots, token_ids_of_slot[slots].long()], 1).numpy().tobytes())
+            self._update(token_slots, token_ids_of_slot, self.upto, nxt)
             self.upto = nxt
             self.boundaries[nxt] = self._h.copy().hexdigest()
             while len(self.boundaries) > KEEP_BOUNDARIES:
                 self.boundaries.popitem(last=False)
+
+    def _update(self, token_slots: Tensor, token_ids_of_slot: Tensor, start: int, stop: int) -> None:
+        if stop > start:
+            slots = token_slots[start:stop].long()
+            self._h.update(torch.stack([slots, token_ids_of_slot[slots].long()], 1).numpy().tobytes())

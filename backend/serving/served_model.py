@@ -22,6 +22,7 @@ from typing import Iterable
 import torch
 from torch import Tensor, nn
 
+from cedar.kernels import cpu_ext
 from cedar.kernels.dispatch import KernelSet
 
 from ..memory import budget_bytes_per_token, memory_report
@@ -54,7 +55,10 @@ class CedarForCausalLM(nn.Module):
         self.config = config
         self.cfg = ced_config_of(config)
         self.flags = flags_from_config(config)
-        self.model = CEDModel(self.cfg, kernels=KernelSet.for_device("cpu"), quantize=True)
+        kernels = KernelSet.for_device("cpu")
+        if kernels.backend == "fast":
+            cpu_ext.available()  # NOTE: load (or build) the C++ kernels now, not in the first request
+        self.model = CEDModel(self.cfg, kernels=kernels, quantize=True)
         self.lm_head = self.model.lm_head
         self.logits_processor = LogitsProcessor(config)
         self.pools: TokenPools | None = None

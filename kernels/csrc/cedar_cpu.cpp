@@ -58,6 +58,7 @@ inline void dequant_fp4(const uint8_t* packed, const uint8_t* scales, int64_t D,
 
 inline float dot(const float* a, const float* b, int64_t n) {
   float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
   for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
   return acc;
 }
@@ -126,6 +127,70 @@ std::tuple<at::Tensor, at::Tensor> window_ring_attention(const at::Tensor& q, co
 }
 
 // ---------------------------------------------------------------------------------------------
+// Window attention over ragged float keys laid out per request as [S ring rows][new rows at
+// consecutive positions from k_first]: each query reads the ring rows whose tag is in its window
+// and the new rows of its window by position.
+std::tuple<at::Tensor, at::Tensor> window_ragged_attention(const at::Tensor& q, const at::Tensor& keys,
+                                                           const at::Tensor& key_pos, const at::Tensor& cu_k,
+                                                           const at::Tensor& k_first, const at::Tensor& row_req,
+                                                           const at::Tensor& q_pos, const at::Tensor& floor,
+                                                           const c10::optional<at::Tensor>& sink, int64_t S,
+                                                           int64_t window, double scale) {
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  auto out = at::zeros({T, H, D}, q.options());
+  auto lse = at::full({T, H}, kNegInf, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = keys.data_ptr<float>();
+  const int64_t* posp = key_pos.data_ptr<int64_t>();
+  const int64_t* cu = cu_k.data_ptr<int64_t>();
+  const int64_t* kf = k_first.data_ptr<int64_t>();
+  const int64_t* rq = row_req.data_ptr<int64_t>();
+  const int64_t* pp = q_pos.data_ptr<int64_t>();
+  const int64_t* fp = floor.data_ptr<int64_t>();
+  const float* skp = sink.has_value() ? sink->data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    std::vector<const float*> rows(S + window);
+    std::vector<float> logits(S + window), acc(D);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = rq[t], base = cu[b], p = pp[t], first = kf[b];
+      const int64_t lo = std::max({fp[b], p - window + 1, int64_t(0)});
+      int64_t n = 0;
+      for (int64_t i = 0; i < S && lo < first; ++i) {
+        const int64_t kpos = posp[base + i];
+        if (kpos >= lo && kpos <= p && kpos < first) rows[n++] = kp + (base + i) * D;
+      }
+      const int64_t end = std::min(p, first + (cu[b + 1] - base - S) - 1);
+      for (int64_t pos = std::max(lo, first); pos <= end; ++pos) rows[n++] = kp + (base + S + pos - first) * D;
+      for (int64_t h = 0; h < H; ++h) {
+        const float* qh = qp + (t * H + h) * D;
+        float m = skp ? skp[h] : kNegInf;
+        for (int64_t j = 0; j < n; ++j) {
+          logits[j] = dot(qh, rows[j], D) * float(scale);
+          m = std::max(m, logits[j]);
+        }
+        if (std::isinf(m)) m = 0.f;
+        float denom = skp ? std::exp(skp[h] - m) : 0.f;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t j = 0; j < n; ++j) {
+          const float w = std::exp(logits[j] - m);
+          denom += w;
+          const float* v = rows[j];
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) acc[d] += w * v[d];
+        }
+        float* o = op + (t * H + h) * D;
+        if (denom > 0.f)
+          for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / denom;
+        lp[t * H + h] = std::log(denom) + m;
+      }
+    }
+  });
+  return {out, lse};
+}
+
+// ---------------------------------------------------------------------------------------------
 at::Tensor indexer_scores_pool(const at::Tensor& iq, const at::Tensor& iw, const at::Tensor& codes,
                                const at::Tensor& scales, const at::Tensor& entry_rows, const at::Tensor& cu_c,
                                const at::Tensor& q_req, const at::Tensor& q_pos, int64_t ratio) {
@@ -161,23 +226,89 @@ at::Tensor indexer_scores_pool(const at::Tensor& iq, const at::Tensor& iw, const
 }
 
 // ---------------------------------------------------------------------------------------------
+// The k best (score, id) of a row, best first, ties to the lower id: the twin's stable-sort order.
+// Ids arrive in increasing order, so a candidate equal to the worst kept one never displaces it.
+struct TopK {
+  int64_t k;
+  std::vector<std::pair<float, int32_t>> heap;  // front = the worst kept
+  static bool better(const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  }
+  void reset() { heap.clear(); }
+  void offer(float score, int32_t id) {
+    if (!std::isfinite(score) || k == 0) return;
+    if (int64_t(heap.size()) < k) {
+      heap.emplace_back(score, id);
+      std::push_heap(heap.begin(), heap.end(), better);
+    } else if (score > heap.front().first) {
+      std::pop_heap(heap.begin(), heap.end(), better);
+      heap.back() = {score, id};
+      std::push_heap(heap.begin(), heap.end(), better);
+    }
+  }
+  void write(int32_t* out) {  // k slots, -1 padded
+    std::sort(heap.begin(), heap.end(), better);
+    for (int64_t j = 0; j < k; ++j) out[j] = j < int64_t(heap.size()) ? heap[j].second : -1;
+  }
+};
+
+// Lightning-indexer scores and their top-k in one pass per query row: entry c of the row's
+// request scores sum_h w[h] relu(q[h] . key_c) where visible ((c + 1) ratio - 1 <= pos). Keys
+// come from `keys` (float, ragged like the entries) when given, else from the FP4 pool in place.
+at::Tensor indexer_topk(const at::Tensor& iq, const at::Tensor& iw, const c10::optional<at::Tensor>& keys,
+                        const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& entry_rows,
+                        const at::Tensor& cu_c, const at::Tensor& row_req, const at::Tensor& q_pos, int64_t ratio,
+                        int64_t k) {
+  const int64_t T = iq.size(0), Hi = iq.size(1), Di = iq.size(2);
+  auto idx = at::empty({T, k}, iq.options().dtype(at::kInt));
+  const float* qp = iq.data_ptr<float>();
+  const float* wp = iw.data_ptr<float>();
+  const float* kp = keys.has_value() ? keys->data_ptr<float>() : nullptr;
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint8_t* sp = scales.data_ptr<uint8_t>();
+  const int64_t* er = entry_rows.data_ptr<int64_t>();
+  const int64_t* cu = cu_c.data_ptr<int64_t>();
+  const int64_t* qr = row_req.data_ptr<int64_t>();
+  const int64_t* pp = q_pos.data_ptr<int64_t>();
+  const int64_t CB = codes.size(1), SB = scales.size(1), group = Di / SB;
+  int32_t* ip = idx.data_ptr<int32_t>();
+  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+    std::vector<float> key(Di);
+    TopK top{k, {}};
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = qr[t], n = cu[b + 1] - cu[b];
+      const int64_t visible = std::min(n, (pp[t] + 1) / ratio);
+      top.reset();
+      for (int64_t c = 0; c < visible; ++c) {
+        const float* kc = key.data();
+        if (kp) {
+          kc = kp + (cu[b] + c) * Di;
+        } else {
+          const int64_t row = er[cu[b] + c];
+          dequant_fp4(cp + row * CB, sp + row * SB, Di, group, false, key.data());
+        }
+        float acc = 0.f;
+        for (int64_t h = 0; h < Hi; ++h) acc += std::max(dot(qp + (t * Hi + h) * Di, kc, Di), 0.f) * wp[t * Hi + h];
+        top.offer(acc, int32_t(c));
+      }
+      top.write(ip + t * k);
+    }
+  });
+  return idx;
+}
+
+// ---------------------------------------------------------------------------------------------
 at::Tensor topk_exact(const at::Tensor& scores, int64_t k) {
   const int64_t T = scores.size(0), C = scores.size(1);
-  auto idx = at::full({T, k}, -1, scores.options().dtype(at::kInt));
+  auto idx = at::empty({T, k}, scores.options().dtype(at::kInt));
   const float* sp = scores.data_ptr<float>();
   int32_t* ip = idx.data_ptr<int32_t>();
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<int32_t> ids;
+  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+    TopK top{k, {}};
     for (int64_t t = t0; t < t1; ++t) {
-      const float* row = sp + t * C;
-      ids.clear();
-      for (int64_t c = 0; c < C; ++c)
-        if (std::isfinite(row[c])) ids.push_back(int32_t(c));
-      const int64_t m = std::min<int64_t>(k, ids.size());
-      // NOTE: the twin's order: best first, ties to the lower id
-      std::partial_sort(ids.begin(), ids.begin() + m, ids.end(),
-                        [row](int32_t a, int32_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
-      std::copy(ids.begin(), ids.begin() + m, ip + t * k);
+      top.reset();
+      for (int64_t c = 0; c < C; ++c) top.offer(sp[t * C + c], int32_t(c));
+      top.write(ip + t * k);
     }
   });
   return idx;
@@ -358,18 +489,67 @@ std::tuple<at::Tensor, at::Tensor> merge_states(const at::Tensor& out_a, const a
   return {out, lse};
 }
 
+// RMSNorm of the rows of x (N, D): x * rsqrt(mean(x^2) + eps) * w.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  const int64_t D = x.size(-1), N = x.numel() / D;
+  auto out = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const float* r = xp + n * D;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t d = 0; d < D; ++d) ss += r[d] * r[d];
+      const float inv = 1.f / std::sqrt(ss / float(D) + float(eps));
+      float* o = op + n * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) o[d] = r[d] * inv * wp[d];
+    }
+  });
+  return out;
+}
+
+// RoPE by tables: out[t, ..., d] = x[t, ..., d] cos[t, d] + x[t, ..., partner[d]] sin[t, d].
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& partner) {
+  const int64_t T = x.size(0), D = x.size(-1), R = x.numel() / (T * D);
+  auto out = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t* pp = partner.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t r = 0; r < R; ++r) {
+        const float* xr = xp + (t * R + r) * D;
+        float* o = op + (t * R + r) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = xr[d] * cp[t * D + d] + xr[pp[d]] * sp[t * D + d];
+      }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(cedar_cpu, m) {
   m.def("window_ring_attention(Tensor q, Tensor codes, Tensor scales, Tensor ring_pos, Tensor slot, Tensor q_pos, "
         "Tensor floor, Tensor? sink, int window, float scale) -> (Tensor, Tensor)");
+  m.def("window_ragged_attention(Tensor q, Tensor keys, Tensor key_pos, Tensor cu_k, Tensor k_first, "
+        "Tensor row_req, Tensor q_pos, Tensor floor, Tensor? sink, int ring_size, int window, float scale) "
+        "-> (Tensor, Tensor)");
   m.def("indexer_scores_pool(Tensor iq, Tensor iw, Tensor codes, Tensor scales, Tensor entry_rows, Tensor cu_c, "
         "Tensor q_req, Tensor q_pos, int ratio) -> Tensor");
   m.def("topk_exact(Tensor scores, int k) -> Tensor");
+  m.def("indexer_topk(Tensor iq, Tensor iw, Tensor? keys, Tensor codes, Tensor scales, Tensor entry_rows, "
+        "Tensor cu_c, Tensor row_req, Tensor q_pos, int ratio, int k) -> Tensor");
   m.def("sparse_pool_attention(Tensor q, Tensor codes, Tensor scales, Tensor entry_rows, Tensor cu_c, "
         "Tensor q_req, Tensor indices, float scale) -> (Tensor, Tensor)");
   m.def("fp8_quantize(Tensor x) -> (Tensor, Tensor)");
   m.def("fp4_quantize(Tensor x, int group, bool e4m3) -> (Tensor, Tensor)");
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("rope(Tensor x, Tensor cos, Tensor sin, Tensor partner) -> Tensor");
   m.def("merge_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> (Tensor, Tensor)");
   m.def("fp8_ring_store(Tensor rows, Tensor slot, Tensor pos, Tensor(a!) codes, Tensor(b!) scales, "
         "Tensor(c!) ring_pos) -> ()");
@@ -377,11 +557,15 @@ TORCH_LIBRARY(cedar_cpu, m) {
 
 TORCH_LIBRARY_IMPL(cedar_cpu, CPU, m) {
   m.impl("window_ring_attention", &window_ring_attention);
+  m.impl("window_ragged_attention", &window_ragged_attention);
   m.impl("indexer_scores_pool", &indexer_scores_pool);
   m.impl("topk_exact", &topk_exact);
+  m.impl("indexer_topk", &indexer_topk);
   m.impl("sparse_pool_attention", &sparse_pool_attention);
   m.impl("fp8_ring_store", &fp8_ring_store);
   m.impl("fp8_quantize", &fp8_quantize);
   m.impl("fp4_quantize", &fp4_quantize);
   m.impl("merge_states", &merge_states);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rope", &rope);
 }
