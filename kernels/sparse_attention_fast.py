@@ -18,6 +18,7 @@ from torch import Tensor
 
 from . import cpu_ext, sparse_attention_ref
 from .plans import GlobalPlan, PoolPlan
+from .window_attention_fast import row_requests
 
 Q_TILE = 256
 
@@ -94,7 +95,12 @@ def indexer_topk(q_idx: Tensor, w_idx: Tensor, k_idx: Tensor | None, cu_seqlens_
         return torch.ops.cedar_cpu.indexer_topk(
             q_idx.float().contiguous(), w_idx.float().contiguous(),
             None if k_idx is None else k_idx.float().contiguous(), plan.index_rows, plan.index_scales,
-            plan.entry_rows, plan.cu_c, plan.row_req, q_pos, plan.ratio, k)
+            plan.entry_rows, plan.cu_c, plan.row_req, q_pos, c_pos, k)
+    if cpu_ext.available() and q_idx.device.type == "cpu" and plan is None:  # float keys, any layout
+        none = torch.zeros(1, 1, dtype=torch.uint8)
+        return torch.ops.cedar_cpu.indexer_topk(
+            q_idx.float().contiguous(), w_idx.float().contiguous(), k_idx.float().contiguous(), none, none,
+            c_pos, cu_seqlens_c.long(), row_requests(cu_seqlens_q, q_idx.shape[0]), q_pos, c_pos, k)
     return topk_select(indexer_scores(q_idx, w_idx, k_idx, cu_seqlens_q, cu_seqlens_c, q_pos, c_pos, plan=plan), k)
 
 
@@ -103,8 +109,15 @@ def sparse_attention(q: Tensor, entries: Tensor, cu_seqlens_q: Tensor, cu_seqlen
     """As the twin: out (T, H, D) f32 and lse (T, H) f32; a query with no entry gets (0, -inf).
     With a :class:`PoolPlan` the C++ kernel dequantizes only the selected rows (``entries`` unused)."""
     if isinstance(plan, PoolPlan):
-        return torch.ops.cedar_cpu.sparse_pool_attention(q.contiguous(), plan.rows, plan.row_scales, plan.entry_rows,
-                                                         plan.cu_c, plan.row_req, indices.int().contiguous(), scale)
+        return torch.ops.cedar_cpu.sparse_pool_attention(q.contiguous(), None, plan.rows, plan.row_scales,
+                                                         plan.entry_rows, plan.cu_c, plan.row_req,
+                                                         indices.int().contiguous(), scale)
+    if cpu_ext.available() and q.device.type == "cpu" and plan is None:  # float entries, any layout
+        none = torch.zeros(1, entries.shape[1] // 16, dtype=torch.uint8)
+        rows = row_requests(cu_seqlens_q, q.shape[0])
+        return torch.ops.cedar_cpu.sparse_pool_attention(q.float().contiguous(), entries.float().contiguous(), none,
+                                                         none, rows, cu_seqlens_c.long(), rows,
+                                                         indices.int().contiguous(), scale)
     if plan is None or indices.shape[1] == 0 or entries.shape[0] == 0:
         return sparse_attention_ref.sparse_attention(q, entries, cu_seqlens_q, cu_seqlens_c, indices, scale)
     cu = cu_seqlens_c.long()

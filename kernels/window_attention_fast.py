@@ -32,6 +32,12 @@ def window_attention(q: Tensor, k: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: T
             q.contiguous(), plan.codes, plan.scales, plan.ring_pos, plan.slot, q_pos, floor,
             None if sink is None else sink.float().contiguous(), window, scale)
     if plan is None:
+        if cpu_ext.available() and q.device.type == "cpu":  # any ragged layout: each request's keys scanned
+            cu = cu_seqlens_k.long()
+            rows = row_requests(cu_seqlens_q, q.shape[0])
+            return torch.ops.cedar_cpu.window_ragged_attention(
+                q.float().contiguous(), k.float().contiguous(), k_pos.contiguous(), cu, cu[:-1], rows, q_pos,
+                window_floor.long(), None if sink is None else sink.float().contiguous(), -1, window, scale)
         return window_attention_ref.window_attention(q, k, cu_seqlens_q, cu_seqlens_k, q_pos, k_pos,
                                                      window, window_floor, sink, scale)
     if cpu_ext.available() and q.device.type == "cpu":
@@ -73,3 +79,10 @@ def _blocked(q: Tensor, k: Tensor, k_pos: Tensor, sink: Tensor | None, scale: fl
     lse[rows] = (torch.log(denom) + m)[valid]
     return out, lse
 
+
+
+def row_requests(cu_seqlens: Tensor, num_rows: int) -> Tensor:
+    """(B + 1,) offsets -> (T,) int64 request of every row."""
+    cu = cu_seqlens.long()
+    return torch.repeat_interleave(torch.arange(cu.numel() - 1, device=cu.device), cu[1:] - cu[:-1],
+                                   output_size=num_rows)

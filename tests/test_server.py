@@ -18,6 +18,7 @@ import torch
 from cedar.backend.cache import cache_for_hit, new_cache
 from cedar.backend.model_io import load_model
 from cedar.backend.replay import greedy, prefill, replay_span
+from cedar.kernels.dispatch import KernelSet
 
 from conftest import start_server, wait_idle_and_check
 
@@ -29,7 +30,10 @@ LOGPROB_ATOL = 2e-3
 
 @pytest.fixture(scope="module")
 def ref(tiny_model_dir):
-    return load_model(tiny_model_dir)
+    """The reference on the kernels the server runs (the fast CPU backend where its C++ kernels
+    build): the served path then agrees with it bit for bit up to batch shapes; the kernels
+    themselves are held to the pure-torch twins in test_kernels_fast.py."""
+    return load_model(tiny_model_dir).use_kernels(KernelSet.for_device("cpu"))
 
 
 def prompt(n, seed):

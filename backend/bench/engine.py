@@ -273,7 +273,10 @@ def run_engine_benchmark(model_dir: Path, out_json, plot_png=None, grid: EngineG
             print(f"[bench engine] run {k + 1}/{len(grid.order)}: {engine}", flush=True)
             with ServerProcess(serve, log_path=Path(f"/tmp/cedar-bench-engine-{engine}-{port}.log")) as srv:
                 probes = run_probes(srv, grid, cfg.vocab_size, seed0=10_000_000 * (k + 1))
-            report["runs"].append({"engine": engine, "server_argv": serve.argv()[1:], "probes": probes})
+                run = {"engine": engine, "server_argv": serve.argv()[1:], "probes": probes}
+                if engine == "cedar":  # the model's own share of each step (the rest is SGLang's)
+                    run["model_forward_ms"] = srv.cedar_state()["forward_ms"]
+            report["runs"].append(run)
         report["table"] = table(report["runs"])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

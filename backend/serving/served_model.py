@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from typing import Iterable
 
 import torch
@@ -134,6 +135,7 @@ class CedarForCausalLM(nn.Module):
         from sglang.srt.model_executor.forward_context import get_req_to_token_pool
 
         self._ensure_pools()
+        t0 = time.perf_counter()
         fb = forward_batch
         hidden = torch.zeros(input_ids.shape[0], self.cfg.hidden_size)
         if fb.forward_mode.is_idle() or input_ids.numel() == 0:
@@ -164,4 +166,5 @@ class CedarForCausalLM(nn.Module):
             hidden[sched[ok]] = self.model.norm(dec.hidden[ok])
         out = self.logits_processor(input_ids, hidden, self.lm_head, fb)
         out.customized_info = self.stats.meta_info(plan, self.slots)
+        self.stats.time_forward("decode" if fb.forward_mode.is_decode() else "extend", time.perf_counter() - t0)
         return out

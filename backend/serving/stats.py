@@ -17,6 +17,15 @@ class ServingStats:
     def __init__(self) -> None:
         self.replayed_tokens = 0  # since start-up, all requests
         self._counter = None
+        self.forward_s: dict[str, list[float]] = {"decode": [0, 0.0], "extend": [0, 0.0]}  # kind -> [n, seconds]
+
+    def time_forward(self, kind: str, seconds: float) -> None:
+        """Wall time of one model forward in the scheduler (planner, tables, layers, logits)."""
+        self.forward_s[kind][0] += 1
+        self.forward_s[kind][1] += seconds
+
+    def forward_summary(self) -> dict:
+        return {k: {"forwards": n, "mean_ms": round(1e3 * s / n, 3) if n else None} for k, (n, s) in self.forward_s.items()}
 
     def _prometheus(self):
         # NOTE: created lazily, in the scheduler process, after SGLang set the multiprocess dir.

@@ -56,15 +56,21 @@ inline void dequant_fp4(const uint8_t* packed, const uint8_t* scales, int64_t D,
   }
 }
 
+// NOTE: a fixed summation order (8 lanes, then a fixed tree), whatever the pointers' alignment or
+// the caller, and no FMA contraction (-ffp-contract=off): the served path and the reference give
+// the same bits for the same keys in the same order, so a quantized cache sees the same codes.
 inline float dot(const float* a, const float* b, int64_t n) {
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
-  return acc;
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+  float tail = 0.f;
+  for (; i < n; ++i) tail += a[i] * b[i];
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail;
 }
 
-// softmax over logits[0..n) plus an optional sink logit, out = sum p_j v_j / denom; returns lse
-inline float softmax_values(const float* logits, const float* values, int64_t n, int64_t D, bool has_sink,
+// softmax over logits[0..n) plus an optional sink logit, out = sum p_j rows[j] / denom; returns lse
+inline float softmax_values(const float* logits, const float* const* rows, int64_t n, int64_t D, bool has_sink,
                             float sink, float* out) {
   float m = has_sink ? sink : kNegInf;
   for (int64_t j = 0; j < n; ++j) m = std::max(m, logits[j]);
@@ -74,7 +80,7 @@ inline float softmax_values(const float* logits, const float* values, int64_t n,
   for (int64_t j = 0; j < n; ++j) {
     const float p = std::exp(logits[j] - m);
     denom += p;
-    const float* v = values + j * D;
+    const float* v = rows[j];
     for (int64_t d = 0; d < D; ++d) out[d] += p * v[d];
   }
   if (denom > 0.f) {
@@ -83,6 +89,16 @@ inline float softmax_values(const float* logits, const float* values, int64_t n,
     std::fill(out, out + D, 0.f);
   }
   return std::log(denom) + m;
+}
+
+// one query's heads over n key rows: logits, softmax with the sink, values
+inline void attend(const float* q, int64_t H, int64_t D, const float* const* rows, int64_t n, const float* sink,
+                   float scale, float* logits, float* out, float* lse) {
+  for (int64_t h = 0; h < H; ++h) {
+    const float* qh = q + h * D;
+    for (int64_t j = 0; j < n; ++j) logits[j] = dot(qh, rows[j], D) * scale;
+    lse[h] = softmax_values(logits, rows, n, D, sink != nullptr, sink ? sink[h] : 0.f, out + h * D);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -106,21 +122,25 @@ std::tuple<at::Tensor, at::Tensor> window_ring_attention(const at::Tensor& q, co
   float* lp = lse.data_ptr<float>();
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> keys(S * D), logits(S);
+    std::vector<const float*> rows(S);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t s = slp[t], p = pp[t], lo = std::max({fp[t], p - window + 1, int64_t(0)});
-      int64_t n = 0;
+      // NOTE: the order every layout shares (ragged keys, the reference caches): the older keys
+      // in ring order, then the query's own row, so the sums agree bit for bit
+      int64_t n = 0, own = -1;
       for (int64_t i = 0; i < S; ++i) {
         const int64_t kp = rp[s * S + i];
-        if (kp < lo || kp > p) continue;
+        if (kp == p) own = i;
+        if (kp < lo || kp >= p) continue;
         dequant_fp8(cp + (s * S + i) * D, sp + (s * S + i) * G, D, keys.data() + n * D);
         ++n;
       }
-      for (int64_t h = 0; h < H; ++h) {
-        const float* qh = qp + (t * H + h) * D;
-        for (int64_t j = 0; j < n; ++j) logits[j] = dot(qh, keys.data() + j * D, D) * float(scale);
-        lp[t * H + h] = softmax_values(logits.data(), keys.data(), n, D, skp != nullptr, skp ? skp[h] : 0.f,
-                                       op + (t * H + h) * D);
+      if (own >= 0 && p >= lo) {
+        dequant_fp8(cp + (s * S + own) * D, sp + (s * S + own) * G, D, keys.data() + n * D);
+        ++n;
       }
+      for (int64_t j = 0; j < n; ++j) rows[j] = keys.data() + j * D;
+      attend(qp + t * H * D, H, D, rows.data(), n, skp, float(scale), logits.data(), op + t * H * D, lp + t * H);
     }
   });
   return {out, lse};
@@ -151,40 +171,29 @@ std::tuple<at::Tensor, at::Tensor> window_ragged_attention(const at::Tensor& q, 
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    std::vector<const float*> rows(S + window);
-    std::vector<float> logits(S + window), acc(D);
+    std::vector<const float*> rows(std::max<int64_t>(S, 0) + window);
+    std::vector<float> logits(rows.size());
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = rq[t], base = cu[b], p = pp[t], first = kf[b];
       const int64_t lo = std::max({fp[b], p - window + 1, int64_t(0)});
       int64_t n = 0;
-      for (int64_t i = 0; i < S && lo < first; ++i) {
-        const int64_t kpos = posp[base + i];
-        if (kpos >= lo && kpos <= p && kpos < first) rows[n++] = kp + (base + i) * D;
-      }
-      const int64_t end = std::min(p, first + (cu[b + 1] - base - S) - 1);
-      for (int64_t pos = std::max(lo, first); pos <= end; ++pos) rows[n++] = kp + (base + S + pos - first) * D;
-      for (int64_t h = 0; h < H; ++h) {
-        const float* qh = qp + (t * H + h) * D;
-        float m = skp ? skp[h] : kNegInf;
-        for (int64_t j = 0; j < n; ++j) {
-          logits[j] = dot(qh, rows[j], D) * float(scale);
-          m = std::max(m, logits[j]);
+      if (S < 0) {  // any layout: every key of the request in storage order
+        for (int64_t i = base; i < cu[b + 1]; ++i) {
+          const int64_t kpos = posp[i];
+          if (kpos >= lo && kpos <= p) {
+            if (n == int64_t(rows.size())) rows.resize(2 * n + 1), logits.resize(2 * n + 1);
+            rows[n++] = kp + i * D;
+          }
         }
-        if (std::isinf(m)) m = 0.f;
-        float denom = skp ? std::exp(skp[h] - m) : 0.f;
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t j = 0; j < n; ++j) {
-          const float w = std::exp(logits[j] - m);
-          denom += w;
-          const float* v = rows[j];
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) acc[d] += w * v[d];
+      } else {  // [S ring rows][new rows from `first`]: the same order, new rows found by position
+        for (int64_t i = 0; i < S && lo < first; ++i) {
+          const int64_t kpos = posp[base + i];
+          if (kpos >= lo && kpos <= p && kpos < first) rows[n++] = kp + (base + i) * D;
         }
-        float* o = op + (t * H + h) * D;
-        if (denom > 0.f)
-          for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / denom;
-        lp[t * H + h] = std::log(denom) + m;
+        const int64_t end = std::min(p, first + (cu[b + 1] - base - S) - 1);
+        for (int64_t pos = std::max(lo, first); pos <= end; ++pos) rows[n++] = kp + (base + S + pos - first) * D;
       }
+      attend(qp + t * H * D, H, D, rows.data(), n, skp, float(scale), logits.data(), op + t * H * D, lp + t * H);
     }
   });
   return {out, lse};
@@ -257,8 +266,8 @@ struct TopK {
 // come from `keys` (float, ragged like the entries) when given, else from the FP4 pool in place.
 at::Tensor indexer_topk(const at::Tensor& iq, const at::Tensor& iw, const c10::optional<at::Tensor>& keys,
                         const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& entry_rows,
-                        const at::Tensor& cu_c, const at::Tensor& row_req, const at::Tensor& q_pos, int64_t ratio,
-                        int64_t k) {
+                        const at::Tensor& cu_c, const at::Tensor& row_req, const at::Tensor& q_pos,
+                        const at::Tensor& c_pos, int64_t k) {
   const int64_t T = iq.size(0), Hi = iq.size(1), Di = iq.size(2);
   auto idx = at::empty({T, k}, iq.options().dtype(at::kInt));
   const float* qp = iq.data_ptr<float>();
@@ -270,6 +279,7 @@ at::Tensor indexer_topk(const at::Tensor& iq, const at::Tensor& iw, const c10::o
   const int64_t* cu = cu_c.data_ptr<int64_t>();
   const int64_t* qr = row_req.data_ptr<int64_t>();
   const int64_t* pp = q_pos.data_ptr<int64_t>();
+  const int64_t* vp = c_pos.data_ptr<int64_t>();
   const int64_t CB = codes.size(1), SB = scales.size(1), group = Di / SB;
   int32_t* ip = idx.data_ptr<int32_t>();
   at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
@@ -277,9 +287,9 @@ at::Tensor indexer_topk(const at::Tensor& iq, const at::Tensor& iw, const c10::o
     TopK top{k, {}};
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = qr[t], n = cu[b + 1] - cu[b];
-      const int64_t visible = std::min(n, (pp[t] + 1) / ratio);
       top.reset();
-      for (int64_t c = 0; c < visible; ++c) {
+      for (int64_t c = 0; c < n; ++c) {
+        if (vp[cu[b] + c] > pp[t]) continue;  // entry not complete at the query's position
         const float* kc = key.data();
         if (kp) {
           kc = kp + (cu[b] + c) * Di;
@@ -315,7 +325,8 @@ at::Tensor topk_exact(const at::Tensor& scores, int64_t k) {
 }
 
 // ---------------------------------------------------------------------------------------------
-std::tuple<at::Tensor, at::Tensor> sparse_pool_attention(const at::Tensor& q, const at::Tensor& codes,
+std::tuple<at::Tensor, at::Tensor> sparse_pool_attention(const at::Tensor& q, const c10::optional<at::Tensor>& entries,
+                                                         const at::Tensor& codes,
                                                          const at::Tensor& scales, const at::Tensor& entry_rows,
                                                          const at::Tensor& cu_c, const at::Tensor& q_req,
                                                          const at::Tensor& indices, double scale) {
@@ -329,26 +340,29 @@ std::tuple<at::Tensor, at::Tensor> sparse_pool_attention(const at::Tensor& q, co
   const int64_t* cu = cu_c.data_ptr<int64_t>();
   const int64_t* qr = q_req.data_ptr<int64_t>();
   const int32_t* ip = indices.data_ptr<int32_t>();
+  const float* ep = entries.has_value() ? entries->data_ptr<float>() : nullptr;
   const int64_t CB = codes.size(1), SB = scales.size(1), group = D / SB;
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> keys(K * D), logits(K);
+    std::vector<const float*> rows(K);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = qr[t], count = cu[b + 1] - cu[b];
       int64_t n = 0;
       for (int64_t j = 0; j < K; ++j) {
         const int64_t c = ip[t * K + j];
         if (c < 0 || c >= count) continue;
-        const int64_t row = er[cu[b] + c];
-        dequant_fp4(cp + row * CB, sp + row * SB, D, group, true, keys.data() + n * D);
+        if (ep) {
+          std::copy(ep + (cu[b] + c) * D, ep + (cu[b] + c + 1) * D, keys.data() + n * D);
+        } else {
+          const int64_t row = er[cu[b] + c];
+          dequant_fp4(cp + row * CB, sp + row * SB, D, group, true, keys.data() + n * D);
+        }
         ++n;
       }
-      for (int64_t h = 0; h < H; ++h) {
-        const float* qh = qp + (t * H + h) * D;
-        for (int64_t j = 0; j < n; ++j) logits[j] = dot(qh, keys.data() + j * D, D) * float(scale);
-        lp[t * H + h] = softmax_values(logits.data(), keys.data(), n, D, false, 0.f, op + (t * H + h) * D);
-      }
+      for (int64_t j = 0; j < n; ++j) rows[j] = keys.data() + j * D;
+      attend(qp + t * H * D, H, D, rows.data(), n, nullptr, float(scale), logits.data(), op + t * H * D, lp + t * H);
     }
   });
   return {out, lse};
@@ -499,12 +513,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const float* r = xp + n * D;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t d = 0; d < D; ++d) ss += r[d] * r[d];
+      const float ss = dot(r, r, D);
       const float inv = 1.f / std::sqrt(ss / float(D) + float(eps));
       float* o = op + n * D;
-#pragma omp simd
       for (int64_t d = 0; d < D; ++d) o[d] = r[d] * inv * wp[d];
     }
   });
@@ -543,8 +554,8 @@ TORCH_LIBRARY(cedar_cpu, m) {
         "Tensor q_req, Tensor q_pos, int ratio) -> Tensor");
   m.def("topk_exact(Tensor scores, int k) -> Tensor");
   m.def("indexer_topk(Tensor iq, Tensor iw, Tensor? keys, Tensor codes, Tensor scales, Tensor entry_rows, "
-        "Tensor cu_c, Tensor row_req, Tensor q_pos, int ratio, int k) -> Tensor");
-  m.def("sparse_pool_attention(Tensor q, Tensor codes, Tensor scales, Tensor entry_rows, Tensor cu_c, "
+        "Tensor cu_c, Tensor row_req, Tensor q_pos, Tensor c_pos, int k) -> Tensor");
+  m.def("sparse_pool_attention(Tensor q, Tensor? entries, Tensor codes, Tensor scales, Tensor entry_rows, Tensor cu_c, "
         "Tensor q_req, Tensor indices, float scale) -> (Tensor, Tensor)");
   m.def("fp8_quantize(Tensor x) -> (Tensor, Tensor)");
   m.def("fp4_quantize(Tensor x, int group, bool e4m3) -> (Tensor, Tensor)");
