@@ -30,7 +30,7 @@ from .rows import DecoderRows, RowBatch, cu_seqlens
 @dataclass(frozen=True)
 class GlobalView:
     entries: Tensor | None  # (Nc, D) f32 dequantized global rows, request b in rows cu[b]:cu[b+1]
-    index_keys: Tensor | None  # (Nc, Di) f32 dequantized index keys (both None: read in place)
+    index_keys: Tensor | None  # (Nc, Di) f32 dequantized index keys (None: read in place, PoolPlan)
     entry_pos: Tensor  # (Nc,) int64: position from which each entry is visible
     cu: Tensor  # (B + 1,) int32
     plan: GlobalPlan | PoolPlan | None = None  # how the batched kernels read it (served path)

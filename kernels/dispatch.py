@@ -1,4 +1,9 @@
-"""One dispatch point for every hot operation: Triton on CUDA, the pure-torch twin elsewhere.
+"""One dispatch point for every hot operation: Triton on CUDA, the fast CPU backend elsewhere,
+and the pure-torch twins (the references every other backend is tested against).
+
+The fast CPU backend (``*_fast.py``) runs C++ kernels (``csrc/cedar_cpu.cpp``, built by the
+setup script) over per-forward plans (``plans.py``), falling back to batched torch where the C++
+library could not be built; it lists only the ops it speeds up, the rest resolve to the twins.
 
 The table below maps an operation name to ``"module:function"`` strings per backend; modules are
 imported lazily on first use, so importing this file defines no kernel and has no side effect

@@ -107,9 +107,10 @@ def indexer_topk(q_idx: Tensor, w_idx: Tensor, k_idx: Tensor | None, cu_seqlens_
 def sparse_attention(q: Tensor, entries: Tensor, cu_seqlens_q: Tensor, cu_seqlens_c: Tensor,
                      indices: Tensor, scale: float, plan: GlobalPlan | PoolPlan | None = None) -> tuple[Tensor, Tensor]:
     """As the twin: out (T, H, D) f32 and lse (T, H) f32; a query with no entry gets (0, -inf).
-    With a :class:`PoolPlan` the C++ kernel dequantizes only the selected rows (``entries`` unused)."""
+    With a :class:`PoolPlan` the C++ kernel reads ``entries`` where given, else dequantizes only the
+    selected rows from the pool in place."""
     if isinstance(plan, PoolPlan):
-        return torch.ops.cedar_cpu.sparse_pool_attention(q.contiguous(), None, plan.rows, plan.row_scales,
+        return torch.ops.cedar_cpu.sparse_pool_attention(q.contiguous(), entries, plan.rows, plan.row_scales,
                                                          plan.entry_rows, plan.cu_c, plan.row_req,
                                                          indices.int().contiguous(), scale)
     if cpu_ext.available() and q.device.type == "cpu" and plan is None:  # float entries, any layout

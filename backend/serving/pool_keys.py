@@ -75,7 +75,10 @@ class PoolKeys(KeySource):
                 rows = self.tables.dec if source >= self.cfg.decoder_start else self.tables.enc
                 index_keys = None if self.in_place else \
                     self.codec.decode("index", src.index_rows[idx], src.index_scales[idx])
-                self.views[source] = GlobalView(None, index_keys, ent.entry_pos, ent.cu, PoolPlan(
+                # NOTE: dequantize every entry once where the queries select more rows than there are
+                entries = self.codec.decode("global", src.rows[idx], src.row_scales[idx]) \
+                    if rows.batch.num_rows * self.cfg.index_topk > idx.numel() and not self.in_place else None
+                self.views[source] = GlobalView(entries, index_keys, ent.entry_pos, ent.cu, PoolPlan(
                     src.rows, src.row_scales, src.index_rows, src.index_scales, idx, ent.cu.long(), rows.owner,
                     src.ratio))
                 return self.views[source]

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -59,14 +60,51 @@ inline void dequant_fp4(const uint8_t* packed, const uint8_t* scales, int64_t D,
 // NOTE: a fixed summation order (8 lanes, then a fixed tree), whatever the pointers' alignment or
 // the caller, and no FMA contraction (-ffp-contract=off): the served path and the reference give
 // the same bits for the same keys in the same order, so a quantized cache sees the same codes.
+typedef float v8 __attribute__((vector_size(32)));  // lane j sums the products of elements i + j
+
+inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline float reduce8(v8 a) {
+  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
 inline float dot(const float* a, const float* b, int64_t n) {
-  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  v8 acc = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+  for (; i + 8 <= n; i += 8) acc += load8(a + i) * load8(b + i);
   float tail = 0.f;
   for (; i < n; ++i) tail += a[i] * b[i];
-  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail;
+  return reduce8(acc) + tail;
+}
+
+// out[h] = dot(q + h * D, k, D) for h < H, each summed exactly as dot() sums it; the key row is
+// read once for all heads (compile-time H for the common head counts, else dot() per head).
+template <int H>
+inline void dots_n(const float* q, const float* k, int64_t D, float* out) {
+  v8 acc[H];
+  for (int h = 0; h < H; ++h) acc[h] = v8{0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int64_t i = 0; i < D; i += 8) {
+    const v8 kv = load8(k + i);
+    for (int h = 0; h < H; ++h) acc[h] += load8(q + h * D + i) * kv;
+  }
+  for (int h = 0; h < H; ++h) out[h] = reduce8(acc[h]) + 0.f;
+}
+
+inline void dots(const float* q, int64_t H, const float* k, int64_t D, float* out) {
+  if (D % 8 == 0) {
+    switch (H) {
+      case 1: return dots_n<1>(q, k, D, out);
+      case 2: return dots_n<2>(q, k, D, out);
+      case 4: return dots_n<4>(q, k, D, out);
+      case 8: return dots_n<8>(q, k, D, out);
+      default: break;
+    }
+  }
+  for (int64_t h = 0; h < H; ++h) out[h] = dot(q + h * D, k, D);
 }
 
 // softmax over logits[0..n) plus an optional sink logit, out = sum p_j rows[j] / denom; returns lse
@@ -81,7 +119,13 @@ inline float softmax_values(const float* logits, const float* const* rows, int64
     const float p = std::exp(logits[j] - m);
     denom += p;
     const float* v = rows[j];
-    for (int64_t d = 0; d < D; ++d) out[d] += p * v[d];
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) {  // elementwise: the same products and sums as the scalar loop
+      v8 o = load8(out + d);
+      o += p * load8(v + d);
+      std::memcpy(out + d, &o, sizeof(o));
+    }
+    for (; d < D; ++d) out[d] += p * v[d];
   }
   if (denom > 0.f) {
     for (int64_t d = 0; d < D; ++d) out[d] /= denom;
@@ -92,13 +136,20 @@ inline float softmax_values(const float* logits, const float* const* rows, int64
 }
 
 // one query's heads over n key rows: logits, softmax with the sink, values
+// (logits: room for H * n floats; head h's in logits[h * n, (h + 1) * n))
 inline void attend(const float* q, int64_t H, int64_t D, const float* const* rows, int64_t n, const float* sink,
                    float scale, float* logits, float* out, float* lse) {
-  for (int64_t h = 0; h < H; ++h) {
-    const float* qh = q + h * D;
-    for (int64_t j = 0; j < n; ++j) logits[j] = dot(qh, rows[j], D) * scale;
-    lse[h] = softmax_values(logits, rows, n, D, sink != nullptr, sink ? sink[h] : 0.f, out + h * D);
+  float d[64];
+  for (int64_t j = 0; j < n; ++j) {
+    if (H <= 64) {
+      dots(q, H, rows[j], D, d);
+      for (int64_t h = 0; h < H; ++h) logits[h * n + j] = d[h] * scale;
+    } else {
+      for (int64_t h = 0; h < H; ++h) logits[h * n + j] = dot(q + h * D, rows[j], D) * scale;
+    }
   }
+  for (int64_t h = 0; h < H; ++h)
+    lse[h] = softmax_values(logits + h * n, rows, n, D, sink != nullptr, sink ? sink[h] : 0.f, out + h * D);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -121,7 +172,7 @@ std::tuple<at::Tensor, at::Tensor> window_ring_attention(const at::Tensor& q, co
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> keys(S * D), logits(S);
+    std::vector<float> keys(S * D), logits(H * S);
     std::vector<const float*> rows(S);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t s = slp[t], p = pp[t], lo = std::max({fp[t], p - window + 1, int64_t(0)});
@@ -172,7 +223,7 @@ std::tuple<at::Tensor, at::Tensor> window_ragged_attention(const at::Tensor& q, 
   float* lp = lse.data_ptr<float>();
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
     std::vector<const float*> rows(std::max<int64_t>(S, 0) + window);
-    std::vector<float> logits(rows.size());
+    std::vector<float> logits(H * rows.size());
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = rq[t], base = cu[b], p = pp[t], first = kf[b];
       const int64_t lo = std::max({fp[b], p - window + 1, int64_t(0)});
@@ -181,7 +232,7 @@ std::tuple<at::Tensor, at::Tensor> window_ragged_attention(const at::Tensor& q, 
         for (int64_t i = base; i < cu[b + 1]; ++i) {
           const int64_t kpos = posp[i];
           if (kpos >= lo && kpos <= p) {
-            if (n == int64_t(rows.size())) rows.resize(2 * n + 1), logits.resize(2 * n + 1);
+            if (n == int64_t(rows.size())) rows.resize(2 * n + 1), logits.resize(H * (2 * n + 1));
             rows[n++] = kp + i * D;
           }
         }
@@ -289,7 +340,7 @@ at::Tensor indexer_topk(const at::Tensor& iq, const at::Tensor& iw, const c10::o
       const int64_t b = qr[t], n = cu[b + 1] - cu[b];
       top.reset();
       for (int64_t c = 0; c < n; ++c) {
-        if (vp[cu[b] + c] > pp[t]) continue;  // entry not complete at the query's position
+        if (vp[cu[b] + c] > pp[t]) break;  // NOTE: entries are in position order: none later is visible
         const float* kc = key.data();
         if (kp) {
           kc = kp + (cu[b] + c) * Di;
@@ -297,8 +348,11 @@ at::Tensor indexer_topk(const at::Tensor& iq, const at::Tensor& iw, const c10::o
           const int64_t row = er[cu[b] + c];
           dequant_fp4(cp + row * CB, sp + row * SB, Di, group, false, key.data());
         }
+        float d[64];
+        if (Hi <= 64) dots(qp + t * Hi * Di, Hi, kc, Di, d);
         float acc = 0.f;
-        for (int64_t h = 0; h < Hi; ++h) acc += std::max(dot(qp + (t * Hi + h) * Di, kc, Di), 0.f) * wp[t * Hi + h];
+        for (int64_t h = 0; h < Hi; ++h)
+          acc += std::max(Hi <= 64 ? d[h] : dot(qp + (t * Hi + h) * Di, kc, Di), 0.f) * wp[t * Hi + h];
         top.offer(acc, int32_t(c));
       }
       top.write(ip + t * k);
@@ -345,7 +399,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_pool_attention(const at::Tensor& q, co
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> keys(K * D), logits(K);
+    std::vector<float> keys(K * D), logits(H * K);
     std::vector<const float*> rows(K);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = qr[t], count = cu[b + 1] - cu[b];
