@@ -23,13 +23,16 @@ def build(verbose: bool = False) -> None:
     """Compile (if the source changed) and load the library; raises on failure."""
     from torch.utils.cpp_extension import load
 
-    load(NAME, [str(SOURCE)], extra_cflags=cflags(), is_python_module=False, verbose=verbose)
+    # NOTE: -fopenmp: ATen's at::parallel_for is OpenMP pragmas inlined into the caller; without
+    # it every kernel ran on one thread (libgomp.so.1 resolves to the copy torch already loaded)
+    load(NAME, [str(SOURCE)], extra_cflags=cflags(), extra_ldflags=["-fopenmp"], is_python_module=False,
+         verbose=verbose)
 
 
 def cflags() -> list[str]:
     """-O3 without FMA contraction; AVX2 where this machine has it (the library is built on the
     machine that runs it, so no other machine ever loads it)."""
-    flags = ["-O3", "-ffp-contract=off"]  # NOTE: no FMA contraction: results independent of vectorization
+    flags = ["-O3", "-ffp-contract=off", "-fopenmp"]  # NOTE: no FMA contraction: results independent of vectorization
     try:
         cpu = Path("/proc/cpuinfo").read_text()
     except OSError:

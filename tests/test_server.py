@@ -315,3 +315,13 @@ def test_prompt_logprobs_run_untrimmed(checked_server, ref):
     want = logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
     assert len(served) == len(want)
     assert max(abs(a - b) for a, b in zip(served, want)) <= LOGPROB_ATOL
+
+
+def test_server_runs_the_fast_cpu_kernels(checked_server):
+    """The served model runs the dispatch table's fast CPU backend, with the C++ kernels where
+    this machine builds them (what the reference fixture runs too)."""
+    from cedar.kernels import cpu_ext
+
+    kernels = checked_server.cedar_state()["kernels"]
+    assert kernels == {"backend": KernelSet.for_device("cpu").backend, "cpu_ext": cpu_ext.available()}
+    assert kernels["backend"] == "fast"

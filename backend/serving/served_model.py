@@ -111,6 +111,11 @@ class CedarForCausalLM(nn.Module):
                 snapshots=self.snapshots.stats() if self.snapshots is not None else None)
         return figures
 
+    def kernel_info(self) -> dict:
+        """Which kernels serve: the dispatch backend, and on CPU whether the C++ kernels loaded."""
+        ks = self.model.kernels
+        return {"backend": ks.backend, "cpu_ext": ks.backend == "fast" and cpu_ext.available()}
+
     def on_request_finished(self, slot: int, rid: str) -> bool:
         """A request finished (release hook): keep its slot's state for exact continuation."""
         if self.snapshots is None or not self.flags.snapshots or self.slots is None \

@@ -156,6 +156,7 @@ def after_state(output, self, recv_req):
         state["integrity"] = pool_integrity(self.scheduler)
         state["replayed_tokens_total"] = model.stats.replayed_tokens
         state["forward_ms"] = model.stats.forward_summary()
+        state["kernels"] = model.kernel_info()
         state["flags"] = dataclasses.asdict(model.flags)
         output.internal_state["cedar"] = state
     return output

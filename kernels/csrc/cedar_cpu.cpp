@@ -21,6 +21,9 @@
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// NOTE: query rows per thread chunk: a decode step's few rows stay on the calling thread (an
+// OpenMP region costs more than their work), prefills split across the cores.
+constexpr int64_t kGrainRows = 32;
 const float kE2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
 
 struct Lut {
@@ -107,16 +110,70 @@ inline void dots(const float* q, int64_t H, const float* k, int64_t D, float* ou
   for (int64_t h = 0; h < H; ++h) out[h] = dot(q + h * D, k, D);
 }
 
-// softmax over logits[0..n) plus an optional sink logit, out = sum p_j rows[j] / denom; returns lse
-inline float softmax_values(const float* logits, const float* const* rows, int64_t n, int64_t D, bool has_sink,
+// exp(x) for x <= 0 (a logit minus the row max) by Cody-Waite reduction and a degree-7 Taylor
+// polynomial: relative error ~2e-7. NOTE: std::exp is a scalar libm call and was most of the
+// window kernel's time; this one vectorizes (exp8: the same operations lane by lane, so a lane
+// and the scalar version agree bit for bit) and is deterministic on every layout.
+inline float exp_neg(float x) {
+  x = std::max(x, -87.0f);
+  const float t = x * 1.44269504088896341f;
+  const float n = float(int(t + (t >= 0.f ? 0.5f : -0.5f)));
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  int32_t bits = (int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+typedef int32_t i8v __attribute__((vector_size(32)));
+
+inline v8 exp8(v8 x) {
+  const v8 lo = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f};
+  x = x < lo ? lo : x;
+  const v8 t = x * 1.44269504088896341f;
+  const v8 half = t >= 0.f ? v8{} + 0.5f : v8{} - 0.5f;
+  const i8v ni = __builtin_convertvector(t + half, i8v);
+  const v8 n = __builtin_convertvector(ni, v8);
+  const v8 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  v8 p = v8{} + 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const i8v bits = (ni + 127) << 23;
+  v8 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// softmax over logits[0..n) plus an optional sink logit, out = sum p_j rows[j] / denom; returns
+// lse. logits are overwritten by the unnormalised probabilities.
+inline float softmax_values(float* logits, const float* const* rows, int64_t n, int64_t D, bool has_sink,
                             float sink, float* out) {
   float m = has_sink ? sink : kNegInf;
   for (int64_t j = 0; j < n; ++j) m = std::max(m, logits[j]);
   if (std::isinf(m)) m = 0.f;
-  float denom = has_sink ? std::exp(sink - m) : 0.f;
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const v8 e = exp8(load8(logits + j) - m);
+    std::memcpy(logits + j, &e, sizeof(e));
+  }
+  for (; j < n; ++j) logits[j] = exp_neg(logits[j] - m);
+  float denom = has_sink ? exp_neg(sink - m) : 0.f;
   std::fill(out, out + D, 0.f);
-  for (int64_t j = 0; j < n; ++j) {
-    const float p = std::exp(logits[j] - m);
+  for (j = 0; j < n; ++j) {
+    const float p = logits[j];
     denom += p;
     const float* v = rows[j];
     int64_t d = 0;
@@ -171,7 +228,7 @@ std::tuple<at::Tensor, at::Tensor> window_ring_attention(const at::Tensor& q, co
   const float* skp = sink.has_value() ? sink->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, T, kGrainRows, [&](int64_t t0, int64_t t1) {
     std::vector<float> keys(S * D), logits(H * S);
     std::vector<const float*> rows(S);
     for (int64_t t = t0; t < t1; ++t) {
@@ -221,7 +278,7 @@ std::tuple<at::Tensor, at::Tensor> window_ragged_attention(const at::Tensor& q, 
   const float* skp = sink.has_value() ? sink->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, T, kGrainRows, [&](int64_t t0, int64_t t1) {
     std::vector<const float*> rows(std::max<int64_t>(S, 0) + window);
     std::vector<float> logits(H * rows.size());
     for (int64_t t = t0; t < t1; ++t) {
@@ -268,7 +325,7 @@ at::Tensor indexer_scores_pool(const at::Tensor& iq, const at::Tensor& iw, const
   const int64_t* pp = q_pos.data_ptr<int64_t>();
   const int64_t CB = codes.size(1), SB = scales.size(1), group = Di / SB;
   float* out = scores.data_ptr<float>();
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, T, kGrainRows, [&](int64_t t0, int64_t t1) {
     std::vector<float> key(Di);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = qr[t], n = cu[b + 1] - cu[b];
@@ -333,7 +390,7 @@ at::Tensor indexer_topk(const at::Tensor& iq, const at::Tensor& iw, const c10::o
   const int64_t* vp = c_pos.data_ptr<int64_t>();
   const int64_t CB = codes.size(1), SB = scales.size(1), group = Di / SB;
   int32_t* ip = idx.data_ptr<int32_t>();
-  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, T, kGrainRows, [&](int64_t t0, int64_t t1) {
     std::vector<float> key(Di);
     TopK top{k, {}};
     for (int64_t t = t0; t < t1; ++t) {
@@ -367,7 +424,7 @@ at::Tensor topk_exact(const at::Tensor& scores, int64_t k) {
   auto idx = at::empty({T, k}, scores.options().dtype(at::kInt));
   const float* sp = scores.data_ptr<float>();
   int32_t* ip = idx.data_ptr<int32_t>();
-  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, T, kGrainRows, [&](int64_t t0, int64_t t1) {
     TopK top{k, {}};
     for (int64_t t = t0; t < t1; ++t) {
       top.reset();
@@ -398,7 +455,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_pool_attention(const at::Tensor& q, co
   const int64_t CB = codes.size(1), SB = scales.size(1), group = D / SB;
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, T, kGrainRows, [&](int64_t t0, int64_t t1) {
     std::vector<float> keys(K * D), logits(H * K);
     std::vector<const float*> rows(K);
     for (int64_t t = t0; t < t1; ++t) {
