@@ -25,14 +25,10 @@ Q_TILE = 256
 
 def indexer_scores(q_idx: Tensor, w_idx: Tensor, k_idx: Tensor, cu_seqlens_q: Tensor,
                    cu_seqlens_c: Tensor, q_pos: Tensor, c_pos: Tensor,
-                   plan: GlobalPlan | PoolPlan | None = None) -> Tensor:
+                   plan: GlobalPlan | None = None) -> Tensor:
     """As the twin: (T, C) float32 scores, C = the largest per-request entry count (>= 1).
-    With a :class:`PoolPlan` the C++ kernel reads the FP4 index keys in place (``k_idx`` unused)."""
-    if isinstance(plan, PoolPlan):
-        return torch.ops.cedar_cpu.indexer_scores_pool(q_idx.contiguous(), w_idx.contiguous(), plan.index_rows,
-                                                       plan.index_scales, plan.entry_rows, plan.cu_c,
-                                                       plan.row_req, q_pos, plan.ratio)
-    if plan is None:
+    (The served path calls ``indexer_topk``, which never builds this matrix on the C++ path.)"""
+    if not isinstance(plan, GlobalPlan):
         return sparse_attention_ref.indexer_scores(q_idx, w_idx, k_idx, cu_seqlens_q, cu_seqlens_c, q_pos, c_pos)
     T, Hi, Di = q_idx.shape
     B, C = plan.c_index.shape

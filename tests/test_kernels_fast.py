@@ -99,6 +99,32 @@ def test_global_plan_equals_twin(q_lens, c_lens):
     close(got[0], want[0]); close(got[1], want[1])
 
 
+def assert_valid_topk(got, scores, k, slack=1e-5):
+    """got (T, k) int32 is a top-k of the twin's scores (T, C) up to ``slack`` (the kernel sums in
+    another order): as many entries as the twin selects, none below an unselected one, best first."""
+    want = sparse_attention_ref.topk_select(scores, k)
+    assert got.shape == want.shape and torch.equal(got >= 0, want >= 0)
+    for t in range(scores.shape[0]):
+        chosen = got[t][got[t] >= 0].long()
+        rest = torch.ones(scores.shape[1], dtype=torch.bool)
+        rest[chosen] = False
+        rest &= torch.isfinite(scores[t])
+        if chosen.numel() and rest.any():
+            assert scores[t][chosen].min() >= scores[t][rest].max() - slack
+        assert (scores[t][chosen].diff() <= slack).all()
+
+
+@needs_ext
+def test_fused_indexer_topk_on_float_keys_equals_twin():
+    gen = torch.Generator().manual_seed(8)
+    cu_q, cu_c, q_pos, c_pos = global_batch(gen, [1, 5, 200], [3, 0, 150])
+    T, Nc = int(cu_q[-1]), int(cu_c[-1])
+    iq, iw, ik = torch.randn(T, HI, DI, generator=gen), torch.randn(T, HI, generator=gen), torch.randn(Nc, DI, generator=gen)
+    scores = sparse_attention_ref.indexer_scores(iq, iw, ik, cu_q, cu_c, q_pos, c_pos)
+    for k in (1, 16, 200):
+        assert_valid_topk(sparse_attention_fast.indexer_topk(iq, iw, ik, cu_q, cu_c, q_pos, c_pos, k), scores, k)
+
+
 def test_topk_ties_nonfinite_and_short_rows_equal_twin():
     gen = torch.Generator().manual_seed(0)
     s = torch.randn(40, 300, generator=gen)
@@ -181,9 +207,11 @@ def test_pool_indexer_and_sparse_attention_equal_twins_on_dequantized_rows():
     plan = PoolPlan(rows, row_scales, index_rows, index_scales, perm, cu_c, torch.arange(4), ratio)
     iq, iw = torch.randn(4, HI, DI, generator=gen), torch.randn(4, HI, generator=gen)
     ik = fp4_ref.fp4_dequantize(index_rows[perm], index_scales[perm], INDEX_ROW)
-    scores = sparse_attention_fast.indexer_scores(iq, iw, None, cu_q, cu_c.int(), q_pos, c_pos, plan=plan)
-    close(scores, sparse_attention_ref.indexer_scores(iq, iw, ik, cu_q, cu_c.int(), q_pos, c_pos))
-    idx = sparse_attention_ref.topk_select(scores, 16)
+    want_scores = sparse_attention_ref.indexer_scores(iq, iw, ik, cu_q, cu_c.int(), q_pos, c_pos)
+    for k_idx in (None, ik):  # index keys read from the pool in place, or given dequantized
+        got = sparse_attention_fast.indexer_topk(iq, iw, k_idx, cu_q, cu_c.int(), q_pos, c_pos, 16, plan=plan)
+        assert_valid_topk(got, want_scores, 16)
+    idx = sparse_attention_ref.topk_select(want_scores, 16)
     q = torch.randn(4, H, D, generator=gen)
     entries = fp4_ref.fp4_dequantize(rows[perm], row_scales[perm], GLOBAL_ROW)
     got = sparse_attention_fast.sparse_attention(q, None, cu_q, cu_c.int(), idx, 0.125, plan=plan)

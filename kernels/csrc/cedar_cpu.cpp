@@ -308,41 +308,6 @@ std::tuple<at::Tensor, at::Tensor> window_ragged_attention(const at::Tensor& q, 
 }
 
 // ---------------------------------------------------------------------------------------------
-at::Tensor indexer_scores_pool(const at::Tensor& iq, const at::Tensor& iw, const at::Tensor& codes,
-                               const at::Tensor& scales, const at::Tensor& entry_rows, const at::Tensor& cu_c,
-                               const at::Tensor& q_req, const at::Tensor& q_pos, int64_t ratio) {
-  const int64_t T = iq.size(0), Hi = iq.size(1), Di = iq.size(2), B = cu_c.size(0) - 1;
-  const int64_t* cu = cu_c.data_ptr<int64_t>();
-  int64_t C = 1;
-  for (int64_t b = 0; b < B; ++b) C = std::max(C, cu[b + 1] - cu[b]);
-  auto scores = at::full({T, C}, kNegInf, iq.options());
-  const float* qp = iq.data_ptr<float>();
-  const float* wp = iw.data_ptr<float>();
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const uint8_t* sp = scales.data_ptr<uint8_t>();
-  const int64_t* er = entry_rows.data_ptr<int64_t>();
-  const int64_t* qr = q_req.data_ptr<int64_t>();
-  const int64_t* pp = q_pos.data_ptr<int64_t>();
-  const int64_t CB = codes.size(1), SB = scales.size(1), group = Di / SB;
-  float* out = scores.data_ptr<float>();
-  at::parallel_for(0, T, kGrainRows, [&](int64_t t0, int64_t t1) {
-    std::vector<float> key(Di);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = qr[t], n = cu[b + 1] - cu[b];
-      const int64_t visible = std::min(n, (pp[t] + 1) / ratio);  // entry c is visible from (c+1)r-1
-      for (int64_t c = 0; c < visible; ++c) {
-        const int64_t row = er[cu[b] + c];
-        dequant_fp4(cp + row * CB, sp + row * SB, Di, group, false, key.data());
-        float acc = 0.f;
-        for (int64_t h = 0; h < Hi; ++h) acc += std::max(dot(qp + (t * Hi + h) * Di, key.data(), Di), 0.f) * wp[t * Hi + h];
-        out[t * C + c] = acc;
-      }
-    }
-  });
-  return scores;
-}
-
-// ---------------------------------------------------------------------------------------------
 // The k best (score, id) of a row, best first, ties to the lower id: the twin's stable-sort order.
 // Ids arrive in increasing order, so a candidate equal to the worst kept one never displaces it.
 struct TopK {
@@ -661,8 +626,6 @@ TORCH_LIBRARY(cedar_cpu, m) {
   m.def("window_ragged_attention(Tensor q, Tensor keys, Tensor key_pos, Tensor cu_k, Tensor k_first, "
         "Tensor row_req, Tensor q_pos, Tensor floor, Tensor? sink, int ring_size, int window, float scale) "
         "-> (Tensor, Tensor)");
-  m.def("indexer_scores_pool(Tensor iq, Tensor iw, Tensor codes, Tensor scales, Tensor entry_rows, Tensor cu_c, "
-        "Tensor q_req, Tensor q_pos, int ratio) -> Tensor");
   m.def("topk_exact(Tensor scores, int k) -> Tensor");
   m.def("indexer_topk(Tensor iq, Tensor iw, Tensor? keys, Tensor codes, Tensor scales, Tensor entry_rows, "
         "Tensor cu_c, Tensor row_req, Tensor q_pos, Tensor c_pos, int k) -> Tensor");
@@ -680,7 +643,6 @@ TORCH_LIBRARY(cedar_cpu, m) {
 TORCH_LIBRARY_IMPL(cedar_cpu, CPU, m) {
   m.impl("window_ring_attention", &window_ring_attention);
   m.impl("window_ragged_attention", &window_ragged_attention);
-  m.impl("indexer_scores_pool", &indexer_scores_pool);
   m.impl("topk_exact", &topk_exact);
   m.impl("indexer_topk", &indexer_topk);
   m.impl("sparse_pool_attention", &sparse_pool_attention);
