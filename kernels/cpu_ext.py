@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -22,6 +23,12 @@ NAME = "cedar_cpu"
 def build(verbose: bool = False) -> None:
     """Compile (if the source changed) and load the library; raises on failure."""
     from torch.utils.cpp_extension import load
+
+    # NOTE: cpp_extension runs `ninja` from PATH; the venv's own ninja sits beside its python,
+    # which a process started by path (not an activated venv) does not have on PATH
+    bin_dir = str(Path(sys.executable).parent)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
     # NOTE: -fopenmp: ATen's at::parallel_for is OpenMP pragmas inlined into the caller; without
     # it every kernel ran on one thread (libgomp.so.1 resolves to the copy torch already loaded)
