@@ -160,6 +160,12 @@ def ref_cfg(server):
     ({"input_ids": [8 + i % 500 for i in range(4200)], "sampling_params": {"max_new_tokens": 2}}, "context length"),
     ({"input_ids": [9, 10, 600], "sampling_params": {"max_new_tokens": 2}}, "out of range"),
     ({"input_ids": [], "sampling_params": {"max_new_tokens": 2}}, "empty"),
+    # fields that size a tensor in the scheduler: a top-k past the vocabulary killed the server
+    ({"input_ids": [9, 10, 11], "return_logprob": True, "top_logprobs_num": 100000,
+      "sampling_params": {"max_new_tokens": 2}}, "top_logprobs_num"),
+    ({"input_ids": [9, 10, 11], "return_logprob": True, "token_ids_logprob": [9, 100000],
+      "sampling_params": {"max_new_tokens": 2}}, "token_ids_logprob"),
+    ({"text": "hi", "sampling_params": {"max_new_tokens": 2, "n": 0}}, "sampling_params.n"),
 ])
 def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(checked_server, payload, message):
     status, out = checked_server.post("/generate", payload)

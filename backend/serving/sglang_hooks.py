@@ -144,7 +144,26 @@ def before_validate(self, obj, input_ids, *args, **kwargs):
         bad = [t for t in input_ids if not 0 <= int(t) < hf.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is out of range [0, {hf.vocab_size})")
+    _check_sizes(obj, hf.vocab_size)
     return None
+
+
+def _check_sizes(obj, vocab_size: int) -> None:
+    """Request fields that size a tensor in the scheduler, refused here with a 400: a top-k
+    larger than the vocabulary killed the scheduler (SGLang's sampler calls topk out of range)."""
+    tops = getattr(obj, "top_logprobs_num", None)
+    for top in tops if isinstance(tops, list) else [tops]:
+        if top is not None and not (isinstance(top, int) and 0 <= top <= vocab_size):
+            raise ValueError(f"top_logprobs_num must be an integer in [0, {vocab_size}], got {top!r}")
+    ids = getattr(obj, "token_ids_logprob", None) or []
+    for t in (i for group in ids for i in (group if isinstance(group, list) else [group])):
+        if not (isinstance(t, int) and 0 <= t < vocab_size):
+            raise ValueError(f"token_ids_logprob: token id {t!r} is out of range [0, {vocab_size})")
+    params = getattr(obj, "sampling_params", None)
+    for sp in params if isinstance(params, list) else [params]:
+        n = sp.get("n") if isinstance(sp, dict) else None
+        if n is not None and not (isinstance(n, int) and n >= 1):
+            raise ValueError(f"sampling_params.n must be an integer >= 1, got {n!r}")
 
 
 def after_state(output, self, recv_req):
