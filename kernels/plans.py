@@ -90,11 +90,17 @@ class PoolPlan:
     ratio: int
 
 
-def _segments(lens: Tensor) -> tuple[Tensor, Tensor]:
+def segments(lens: Tensor) -> tuple[Tensor, Tensor]:
     """(B,) counts -> (sum,) owner index and (sum,) offset within the owner's segment."""
     owner = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
     starts = torch.cumsum(lens, 0) - lens
     return owner, torch.arange(owner.numel(), device=lens.device) - starts[owner]
+
+
+def row_owners(cu_seqlens: Tensor) -> Tensor:
+    """(B + 1,) offsets -> (T,) int64 request of every row."""
+    cu = cu_seqlens.long()
+    return segments(cu[1:] - cu[:-1])[0]
 
 
 def window_plan(cu_q: Tensor, q_first: Tensor, cu_k: Tensor, k_first: Tensor, ring_size: int,
@@ -106,7 +112,7 @@ def window_plan(cu_q: Tensor, q_first: Tensor, cu_k: Tensor, k_first: Tensor, ri
     p % ring_size), then its new keys at consecutive positions from k_first (B,);
     floor: (B,) int64 lowest readable key position. All on one device."""
     cu_q = cu_q.long()
-    row_req, _ = _segments(cu_q[1:] - cu_q[:-1])
+    row_req = row_owners(cu_q)
     return WindowPlan(cu_q, q_first, row_req, cu_k.long(), k_first, floor, ring_size, window, block_q)
 
 
@@ -116,7 +122,7 @@ def _window_blocks(plan: WindowPlan) -> WindowBlocks:
     cu_q, cu_k, block_q, window, ring_size = plan.cu_q, plan.cu_k, plan.block_q, plan.window, plan.ring_size
     n_q, n_new = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1] - ring_size
     nblk = (n_q + block_q - 1) // block_q
-    req, i = _segments(nblk)
+    req, i = segments(nblk)
     row0 = cu_q[:-1][req] + i * block_q  # (nb,) first query row of each block
     q_index = row0[:, None] + torch.arange(block_q, device=cu_q.device)
     q_index = torch.where(q_index < cu_q[1:][req][:, None], q_index, -1)
@@ -142,5 +148,5 @@ def global_plan(cu_q: Tensor, cu_c: Tensor) -> GlobalPlan:
     c = torch.arange(C, device=cu_q.device)
     c_valid = c < n_c[:, None]
     c_index = torch.where(c_valid, cu_c[:-1, None] + c, 0)
-    row_req, _ = _segments(n_q)
+    row_req = row_owners(cu_q)
     return GlobalPlan(q_index, c_index, c_valid, row_req)

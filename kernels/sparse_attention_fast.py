@@ -17,8 +17,7 @@ import torch
 from torch import Tensor
 
 from . import cpu_ext, sparse_attention_ref
-from .plans import GlobalPlan, PoolPlan
-from .window_attention_fast import row_requests
+from .plans import GlobalPlan, PoolPlan, row_owners
 
 Q_TILE = 256
 
@@ -96,7 +95,7 @@ def indexer_topk(q_idx: Tensor, w_idx: Tensor, k_idx: Tensor | None, cu_seqlens_
         none = torch.zeros(1, 1, dtype=torch.uint8)
         return torch.ops.cedar_cpu.indexer_topk(
             q_idx.float().contiguous(), w_idx.float().contiguous(), k_idx.float().contiguous(), none, none,
-            c_pos, cu_seqlens_c.long(), row_requests(cu_seqlens_q, q_idx.shape[0]), q_pos, c_pos, k)
+            c_pos, cu_seqlens_c.long(), row_owners(cu_seqlens_q), q_pos, c_pos, k)
     return topk_select(indexer_scores(q_idx, w_idx, k_idx, cu_seqlens_q, cu_seqlens_c, q_pos, c_pos, plan=plan), k)
 
 
@@ -111,7 +110,7 @@ def sparse_attention(q: Tensor, entries: Tensor, cu_seqlens_q: Tensor, cu_seqlen
                                                          indices.int().contiguous(), scale)
     if cpu_ext.available() and q.device.type == "cpu" and plan is None:  # float entries, any layout
         none = torch.zeros(1, entries.shape[1] // 16, dtype=torch.uint8)
-        rows = row_requests(cu_seqlens_q, q.shape[0])
+        rows = row_owners(cu_seqlens_q)
         return torch.ops.cedar_cpu.sparse_pool_attention(q.float().contiguous(), entries.float().contiguous(), none,
                                                          none, rows, cu_seqlens_c.long(), rows,
                                                          indices.int().contiguous(), scale)

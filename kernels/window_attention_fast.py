@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from . import cpu_ext, window_attention_ref
-from .plans import RingPlan, WindowBlocks, WindowPlan
+from .plans import RingPlan, WindowBlocks, WindowPlan, row_owners
 
 
 def window_attention(q: Tensor, k: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, q_pos: Tensor,
@@ -34,7 +34,7 @@ def window_attention(q: Tensor, k: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: T
     if plan is None:
         if cpu_ext.available() and q.device.type == "cpu":  # any ragged layout: each request's keys scanned
             cu = cu_seqlens_k.long()
-            rows = row_requests(cu_seqlens_q, q.shape[0])
+            rows = row_owners(cu_seqlens_q)
             return torch.ops.cedar_cpu.window_ragged_attention(
                 q.float().contiguous(), k.float().contiguous(), k_pos.contiguous(), cu, cu[:-1], rows, q_pos,
                 window_floor.long(), None if sink is None else sink.float().contiguous(), -1, window, scale)
@@ -80,9 +80,3 @@ def _blocked(q: Tensor, k: Tensor, k_pos: Tensor, sink: Tensor | None, scale: fl
     return out, lse
 
 
-
-def row_requests(cu_seqlens: Tensor, num_rows: int) -> Tensor:
-    """(B + 1,) offsets -> (T,) int64 request of every row."""
-    cu = cu_seqlens.long()
-    return torch.repeat_interleave(torch.arange(cu.numel() - 1, device=cu.device), cu[1:] - cu[:-1],
-                                   output_size=num_rows)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from cedar.kernels.plans import GlobalPlan, WindowPlan, global_plan, window_plan
+from cedar.kernels.plans import GlobalPlan, WindowPlan, global_plan, segments, window_plan
 
 from ..config import CEDConfig
 from ..rows import RowBatch
@@ -37,10 +37,9 @@ class RowSet:
 
 
 def _row_set(first: Tensor, lens: Tensor) -> RowSet:
-    owner = torch.repeat_interleave(torch.arange(lens.numel()), lens)
+    owner, offset = segments(lens)
     cu = torch.cat([lens.new_zeros(1), torch.cumsum(lens, 0)])
-    pos = first[owner] + torch.arange(owner.numel()) - cu[:-1][owner]
-    return RowSet(RowBatch(pos, tuple(lens.tolist())), first, lens, cu, owner)
+    return RowSet(RowBatch(first[owner] + offset, tuple(lens.tolist())), first, lens, cu, owner)
 
 
 @dataclass(frozen=True)
@@ -84,6 +83,7 @@ class BatchTables:
     cfg: CEDConfig
     slots: Tensor  # (B,) int64 request slot of each request
     seq_len: Tensor  # (B,) int64
+    prefix_len: Tensor  # (B,) int64 cached prefix H: the global write floor
     enc: RowSet
     dec: RowSet
     enc_floor: Tensor  # (B,) int64 lowest readable window position, encoder layers and E
@@ -109,48 +109,45 @@ class BatchTables:
         seq = torch.tensor([r.seq_len for r in reqs], **long)
         first = torch.tensor([r.row_start for r in reqs], **long)
         floor = torch.tensor([r.window_floor for r in reqs], **long)
+        prefix = torch.tensor([r.prefix_len for r in reqs], **long)
         if all(r.num_rows == 1 and r.decoder == "all" for r in reqs):
-            return cls._decode(cfg, reqs, slot, seq, first, floor)
+            return cls._decode(cfg, reqs, slot, seq, prefix, first, floor)
         enc = _row_set(first, seq - first)
         keep = torch.tensor([r.row_start if r.decoder == "all" else
                              max(r.window_floor, r.seq_len - W) if r.decoder == "tail" else r.seq_len
                              for r in reqs], **long)
         dec = _row_set(keep, seq - keep)
         tail = torch.tensor([r.decoder == "tail" for r in reqs])
-        T = enc.batch.num_rows
-        owner = torch.repeat_interleave(torch.arange(len(reqs)), dec.lens)
-        p = dec.batch.pos
+        T, owner, p = enc.batch.num_rows, dec.owner, dec.batch.pos
         own = p >= first[owner]
         dec_src = torch.where(own, enc.cu[:-1][owner] + p - first[owner], T + slot[owner] * W + p % W)
         carried = ~own
         if carried.any() and not torch.equal(slots.enc_pos.view(-1)[(dec_src - T)[carried]], p[carried]):
             bad = reqs[int(owner[carried][0])].rid
             raise RuntimeError(f"request {bad}: encoder outputs for its decoder tail are missing")
-        enc_owner = torch.repeat_interleave(torch.arange(len(reqs)), enc.lens)
-        kept = enc.batch.pos >= seq[enc_owner] - W  # each request's last W encoder outputs
-        return cls(cfg, slot, seq, enc, dec, floor, torch.where(tail, keep, floor), dec_src,
+        kept = enc.batch.pos >= seq[enc.owner] - W  # each request's last W encoder outputs
+        return cls(cfg, slot, seq, prefix, enc, dec, floor, torch.where(tail, keep, floor), dec_src,
                    torch.where(own, dec_src, -1), torch.nonzero(kept).view(-1),
-                   slot[enc_owner][kept] * W + enc.batch.pos[kept] % W,
+                   slot[enc.owner][kept] * W + enc.batch.pos[kept] % W,
                    torch.cat([r.token_slots for r in reqs]), torch.cumsum(seq, 0) - seq)
 
     @classmethod
-    def _decode(cls, cfg: CEDConfig, reqs, slot: Tensor, seq: Tensor, first: Tensor, floor: Tensor) -> "BatchTables":
+    def _decode(cls, cfg: CEDConfig, reqs, slot: Tensor, seq: Tensor, prefix: Tensor, first: Tensor,
+                floor: Tensor) -> "BatchTables":
         """A decode step (one row per request, the decoder on it): the same tables, written down
         directly (NOTE: the encoder and decoder rows are one row set, so RoPE tables are shared)."""
         B, W = len(reqs), cfg.sliding_window
         rows = torch.arange(B)
         ones = torch.ones(B, dtype=torch.long)
         enc = RowSet(RowBatch(first, (1,) * B), first, ones, torch.arange(B + 1), rows)
-        out = cls(cfg, slot, seq, enc, enc, floor, floor, rows, rows, rows, slot * W + first % W,
-                  torch.cat([r.token_slots for r in reqs]), torch.cumsum(seq, 0) - seq)
-        out.single_row = True
-        return out
+        return cls(cfg, slot, seq, prefix, enc, enc, floor, floor, rows, rows, rows, slot * W + first % W,
+                   torch.cat([r.token_slots for r in reqs]), torch.cumsum(seq, 0) - seq, single_row=True)
 
     # ------------------------------------------------------------------ global KV
-    def groups(self, ratio: int, prefix_len: Tensor, tail_len: Tensor | None) -> GroupWrites:
+    def groups(self, ratio: int, tail_len: Tensor | None) -> GroupWrites:
         """Groups of ``ratio`` each request completes in this forward and writes (those ending at
         or above its prefix, the write floor), and its pending tail after it.
-        prefix_len: (B,) int64; tail_len: (num_slots,) int64 pending rows per slot (ratio > 1)."""
+        tail_len: (num_slots,) int64 pending rows per slot (ratio > 1), checked against the rows."""
         if ratio in self._groups:
             return self._groups[ratio]
         if self.single_row:
@@ -158,23 +155,20 @@ class BatchTables:
             return self._groups[ratio]
         r, enc, T = ratio, self.enc, self.enc.batch.num_rows
         t = enc.first % r
-        if r > 1 and not torch.equal(tail_len[self.slots], t):
-            raise RuntimeError(f"compressor tails disagree with the request positions (ratio {r})")
+        self._check_tails(r, tail_len, t)
         start = enc.first - t  # (B,) the first group this forward completes starts here
-        n_groups = (self.seq_len - start) // r
-        req = torch.repeat_interleave(torch.arange(n_groups.numel()), n_groups)
-        g_first = start[req] + r * (torch.arange(req.numel()) - (torch.cumsum(n_groups, 0) - n_groups)[req])
-        keep = g_first + (r - 1) >= prefix_len[req]
+        req, g = segments((self.seq_len - start) // r)
+        g_first = start[req] + r * g
+        keep = g_first + (r - 1) >= self.prefix_len[req]
         req, g_first = req[keep], g_first[keep]
         member = g_first[:, None] + torch.arange(r)  # (G, r) positions
         from_rows = enc.cu[:-1][req][:, None] + member - enc.first[req][:, None]
         from_tail = T + self.slots[req][:, None] * max(r - 1, 1) + member % r
         src = torch.where(member >= enc.first[req][:, None], from_rows, from_tail).reshape(-1)
         dst = self.token_slot_flat[self.token_slot_start[req] + g_first] // r
-        owner = torch.repeat_interleave(torch.arange(n_groups.numel()), enc.lens)
-        pending = enc.batch.pos >= (self.seq_len - self.seq_len % r)[owner]
+        pending = enc.batch.pos >= (self.seq_len - self.seq_len % r)[enc.owner]
         tail_src = torch.nonzero(pending).view(-1)
-        tail_dst = self.slots[owner][pending] * max(r - 1, 1) + enc.batch.pos[pending] % r
+        tail_dst = self.slots[enc.owner][pending] * max(r - 1, 1) + enc.batch.pos[pending] % r
         out = GroupWrites(src, g_first, dst, tail_src, tail_dst, self.seq_len % r)
         self._groups[ratio] = out
         return out
@@ -183,8 +177,7 @@ class BatchTables:
         """One row per request at position p: its group completes iff (p + 1) % r == 0, its first
         r - 1 members pending in the slot's tail; else the row joins the tail."""
         p, B = self.enc.first, self.slots.numel()
-        if r > 1 and not torch.equal(tail_len[self.slots], p % r):
-            raise RuntimeError(f"compressor tails disagree with the request positions (ratio {r})")
+        self._check_tails(r, tail_len, p % r)
         done = (p + 1) % r == 0
         req = torch.nonzero(done).view(-1)
         j = torch.arange(r)
@@ -195,12 +188,15 @@ class BatchTables:
         return GroupWrites(src, g_first, dst, pending, self.slots[pending] * max(r - 1, 1) + p[pending] % r,
                            self.seq_len % r)
 
+    def _check_tails(self, r: int, tail_len: Tensor | None, expected: Tensor) -> None:
+        if r > 1 and not torch.equal(tail_len[self.slots], expected):
+            raise RuntimeError(f"compressor tails disagree with the request positions (ratio {r})")
+
     def entries(self, ratio: int) -> EntryLayout:
         if ratio not in self._entries:
             counts = self.seq_len // ratio
-            req = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+            req, g = segments(counts)
             cu = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
-            g = torch.arange(req.numel()) - cu[:-1][req]
             rows = self.token_slot_flat[self.token_slot_start[req] + g * ratio] // ratio
             self._entries[ratio] = EntryLayout(rows, (g + 1) * ratio - 1, cu.int())
         return self._entries[ratio]
@@ -216,19 +212,17 @@ class BatchTables:
     def ring(self, decoder: bool, S: int) -> RingLayout:
         key = (decoder, S)
         if key not in self._rings:
-            rows, B = self.dec if decoder else self.enc, self.slots.numel()
+            rows = self.dec if decoder else self.enc
             T = rows.batch.num_rows
             ring_src = (self.slots[:, None] * S + torch.arange(S)).view(-1)
             n = S + rows.lens
             cu = torch.cat([n.new_zeros(1), torch.cumsum(n, 0)])
-            req = torch.repeat_interleave(torch.arange(B), n)
-            off = torch.arange(req.numel()) - cu[:-1][req]  # offset in the request's keys
+            req, off = segments(n)  # off: offset in the request's keys
             perm = torch.where(off < S, T + req * S + off, rows.cu[:-1][req] + off - S)
-            owner = torch.repeat_interleave(torch.arange(B), rows.lens)
-            kept = rows.batch.pos >= (self.seq_len - S)[owner]
+            kept = rows.batch.pos >= (self.seq_len - S)[rows.owner]
             self._rings[key] = RingLayout(ring_src, rows.first.repeat_interleave(S), perm, cu.int(),
                                           torch.nonzero(kept).view(-1),
-                                          self.slots[owner][kept] * S + rows.batch.pos[kept] % S)
+                                          self.slots[rows.owner][kept] * S + rows.batch.pos[kept] % S)
         return self._rings[key]
 
     def window_plan(self, queries_decoder: bool, keys_decoder: bool, S: int) -> WindowPlan:

@@ -37,20 +37,18 @@ class PoolKeys(KeySource):
                  plan: ServedForward) -> None:
         self.cfg, self.codec, self.pools, self.slots, self.plan = cfg, codec, pools, slots, plan
         self.tables = BatchTables.build(cfg, plan, slots)
-        self.prefix_len = torch.tensor([r.prefix_len for r in plan.requests], dtype=torch.long)
         self.views: dict[int, GlobalView] = {}
         # NOTE: a decode step (one row per request, decoder on it) reads rings and pools in place
         # through the C++ kernels; every other forward runs the batched torch plans.
         self.cpp = codec.quantize and codec.kernels.backend_of("window_attention") == "fast" and cpu_ext.available()
-        self.in_place = self.cpp and all(r.num_rows == 1 and r.decoder == "all" for r in plan.requests)
-        self.row_req = torch.arange(len(plan.requests))
+        self.in_place = self.cpp and self.tables.single_row
 
     # ------------------------------------------------------------------ global KV
     def write_global(self, layer: int, comp: Compressor, x: Tensor, batch: RowBatch) -> None:
         r, src = comp.ratio, self.pools.sources[layer]
         kv, gate = comp.project(x)  # (T, D) f32 each
         tails = r > 1
-        w = self.tables.groups(r, self.prefix_len, self.slots.tail_len[layer] if tails else None)
+        w = self.tables.groups(r, self.slots.tail_len[layer] if tails else None)
         if w.first_pos.numel():
             if tails:  # NOTE: a group begun in an earlier forward reads its first rows from the tail
                 kv_all = torch.cat([kv, self.slots.tail_kv[layer].view(-1, kv.shape[1])])
@@ -97,7 +95,7 @@ class PoolKeys(KeySource):
         if self.in_place:  # NOTE: one new row per request: storing it first overwrites no key it reads
             torch.ops.cedar_cpu.fp8_ring_store(kv.contiguous(), self.tables.slots, batch.pos, rows, ring_s, ring_p)
             return WindowKeys(kv[:0], batch.pos[:0], batch.cu, RingPlan(rows, ring_s, ring_p, self.tables.slots,
-                                                                       self.row_req))
+                                                                       self.tables.enc.owner))
         lay = self.tables.ring(decoder, S)
         codes, scales = self.codec.encode("window", kv)
         new = self.codec.decode("window", codes, scales)
