@@ -11,7 +11,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 FIRST_ID = 8  # token ids 0-7 are special
 OUTPUT_LEN = 2  # NOTE: >1 so the first streamed chunk is a first token, not the finished request
@@ -34,26 +34,31 @@ class Sample:
     restored_tokens: int = 0
 
 
-def stream_generate(host: str, port: int, body: bytes) -> Sample:
-    """POST a streamed /generate; TTFT is measured to its first ``data:`` line."""
-    conn = http.client.HTTPConnection(host, port, timeout=600)
+def stream_chunks(host: str, port: int, body: bytes, timeout: float = 600) -> Iterator[tuple[float, dict]]:
+    """POST a streamed /generate; yield (time.perf_counter() at arrival, chunk) per data line."""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
-        t0 = time.perf_counter()
         conn.request("POST", "/generate", body, {"Content-Type": "application/json"})
         resp = conn.getresponse()
         if resp.status != 200:
             raise RuntimeError(f"/generate returned {resp.status}: {resp.read()[:300]!r}")
-        ttft_s, last = None, None
         for raw in resp:
             line = raw.decode().strip()
             if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                 continue
-            ttft_s = time.perf_counter() - t0 if ttft_s is None else ttft_s
-            last = json.loads(line[5:])
-            if "error" in last:
-                raise RuntimeError(f"/generate streamed an error: {last['error']}")
+            chunk = json.loads(line[5:])
+            if "error" in chunk:
+                raise RuntimeError(f"/generate streamed an error: {chunk['error']}")
+            yield time.perf_counter(), chunk
     finally:
         conn.close()
+
+
+def stream_generate(host: str, port: int, body: bytes) -> Sample:
+    """POST a streamed /generate; TTFT is measured to its first ``data:`` line."""
+    t0, ttft_s, last = time.perf_counter(), None, None
+    for t, last in stream_chunks(host, port, body):
+        ttft_s = t - t0 if ttft_s is None else ttft_s
     if last is None:
         raise RuntimeError("/generate streamed no data line")
     meta = last["meta_info"]

@@ -16,8 +16,7 @@ Probes (every prompt fresh unless it is a hit; greedy; ``ignore_eos``):
 
 from __future__ import annotations
 
-import http.client
-import json
+import os
 import shutil
 import sys
 import tempfile
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import fresh_ids, machine_info, save_report, stream_body, stream_generate
+from .common import fresh_ids, machine_info, save_report, stream_body, stream_chunks, stream_generate
 
 ENGINE_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--dtype", "float32",
                 "--page-size", "2", "--chunked-prefill-size", "2048", "--max-total-tokens", "98304",
@@ -92,43 +91,22 @@ class StockServe:
                 "--port", str(self.port), *self.extra]
 
     def env(self) -> dict[str, str]:
-        import os
-
         env = {k: v for k, v in os.environ.items() if k != "CEDAR_SGLANG_PLUGIN"}
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         return env
 
 
 # ------------------------------------------------------------------ probes
-def _stream_tokens(host: str, port: int, body: bytes, out: list) -> None:
-    """POST a streamed /generate; append (seconds since send, completion tokens) per data line."""
-    conn = http.client.HTTPConnection(host, port, timeout=900)
-    try:
-        t0 = time.perf_counter()
-        conn.request("POST", "/generate", body, {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"/generate returned {resp.status}: {resp.read()[:300]!r}")
-        for raw in resp:
-            line = raw.decode().strip()
-            if line.startswith("data:") and line[5:].strip() != "[DONE]":
-                chunk = json.loads(line[5:])
-                if "error" in chunk:
-                    raise RuntimeError(f"/generate streamed an error: {chunk['error']}")
-                out.append((time.perf_counter(), int(chunk["meta_info"]["completion_tokens"])))
-        out.insert(0, t0)
-    finally:
-        conn.close()
-
-
 def decode_rate(host: str, port: int, batch: int, context: int, tokens: int, vocab: int, seed: int) -> dict:
     """Output tokens/s of ``batch`` concurrent requests while all of them decode."""
-    traces = [[] for _ in range(batch)]
+    stamps = [[] for _ in range(batch)]  # per request: (arrival time, completion tokens so far)
     errors: list[BaseException] = []
 
     def run(i: int) -> None:
         try:
-            _stream_tokens(host, port, stream_body(fresh_ids(seed + i, context, vocab), tokens), traces[i])
+            body = stream_body(fresh_ids(seed + i, context, vocab), tokens)
+            for t, chunk in stream_chunks(host, port, body, timeout=900):
+                stamps[i].append((t, int(chunk["meta_info"]["completion_tokens"])))
         except BaseException as e:  # noqa: BLE001 - re-raised below
             errors.append(e)
 
@@ -139,7 +117,6 @@ def decode_rate(host: str, port: int, batch: int, context: int, tokens: int, voc
         t.join()
     if errors:
         raise errors[0]
-    stamps = [tr[1:] for tr in traces]
     start = max(s[0][0] for s in stamps)  # every request has its first token
     end = min(s[-1][0] for s in stamps)  # no request has finished yet
 
