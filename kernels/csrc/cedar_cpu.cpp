@@ -192,18 +192,19 @@ inline float softmax_values(float* logits, const float* const* rows, int64_t n, 
   return std::log(denom) + m;
 }
 
+// (out (T, H, D) zeros, lse (T, H) -inf): the partial of queries that see no key
+inline std::tuple<at::Tensor, at::Tensor> empty_partials(const at::Tensor& q) {
+  return {at::zeros({q.size(0), q.size(1), q.size(2)}, q.options()),
+          at::full({q.size(0), q.size(1)}, kNegInf, q.options())};
+}
+
 // one query's heads over n key rows: logits, softmax with the sink, values
-// (logits: room for H * n floats; head h's in logits[h * n, (h + 1) * n))
+// (logits: room for H * n floats, head h's in logits[h * n, (h + 1) * n); scratch: H floats)
 inline void attend(const float* q, int64_t H, int64_t D, const float* const* rows, int64_t n, const float* sink,
-                   float scale, float* logits, float* out, float* lse) {
-  float d[64];
+                   float scale, float* logits, float* scratch, float* out, float* lse) {
   for (int64_t j = 0; j < n; ++j) {
-    if (H <= 64) {
-      dots(q, H, rows[j], D, d);
-      for (int64_t h = 0; h < H; ++h) logits[h * n + j] = d[h] * scale;
-    } else {
-      for (int64_t h = 0; h < H; ++h) logits[h * n + j] = dot(q + h * D, rows[j], D) * scale;
-    }
+    dots(q, H, rows[j], D, scratch);
+    for (int64_t h = 0; h < H; ++h) logits[h * n + j] = scratch[h] * scale;
   }
   for (int64_t h = 0; h < H; ++h)
     lse[h] = softmax_values(logits + h * n, rows, n, D, sink != nullptr, sink ? sink[h] : 0.f, out + h * D);
@@ -216,8 +217,7 @@ std::tuple<at::Tensor, at::Tensor> window_ring_attention(const at::Tensor& q, co
                                                          const at::Tensor& floor, const c10::optional<at::Tensor>& sink,
                                                          int64_t window, double scale) {
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), S = codes.size(1), G = scales.size(2);
-  auto out = at::zeros({T, H, D}, q.options());
-  auto lse = at::full({T, H}, kNegInf, q.options());
+  auto [out, lse] = empty_partials(q);
   const float* qp = q.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const uint8_t* sp = scales.data_ptr<uint8_t>();
@@ -229,7 +229,7 @@ std::tuple<at::Tensor, at::Tensor> window_ring_attention(const at::Tensor& q, co
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
   at::parallel_for(0, T, kGrainRows, [&](int64_t t0, int64_t t1) {
-    std::vector<float> keys(S * D), logits(H * S);
+    std::vector<float> keys(S * D), logits(H * S), scratch(H);
     std::vector<const float*> rows(S);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t s = slp[t], p = pp[t], lo = std::max({fp[t], p - window + 1, int64_t(0)});
@@ -248,7 +248,8 @@ std::tuple<at::Tensor, at::Tensor> window_ring_attention(const at::Tensor& q, co
         ++n;
       }
       for (int64_t j = 0; j < n; ++j) rows[j] = keys.data() + j * D;
-      attend(qp + t * H * D, H, D, rows.data(), n, skp, float(scale), logits.data(), op + t * H * D, lp + t * H);
+      attend(qp + t * H * D, H, D, rows.data(), n, skp, float(scale), logits.data(), scratch.data(), op + t * H * D,
+             lp + t * H);
     }
   });
   return {out, lse};
@@ -265,8 +266,7 @@ std::tuple<at::Tensor, at::Tensor> window_ragged_attention(const at::Tensor& q, 
                                                            const c10::optional<at::Tensor>& sink, int64_t S,
                                                            int64_t window, double scale) {
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
-  auto out = at::zeros({T, H, D}, q.options());
-  auto lse = at::full({T, H}, kNegInf, q.options());
+  auto [out, lse] = empty_partials(q);
   const float* qp = q.data_ptr<float>();
   const float* kp = keys.data_ptr<float>();
   const int64_t* posp = key_pos.data_ptr<int64_t>();
@@ -280,7 +280,7 @@ std::tuple<at::Tensor, at::Tensor> window_ragged_attention(const at::Tensor& q, 
   float* lp = lse.data_ptr<float>();
   at::parallel_for(0, T, kGrainRows, [&](int64_t t0, int64_t t1) {
     std::vector<const float*> rows(std::max<int64_t>(S, 0) + window);
-    std::vector<float> logits(H * rows.size());
+    std::vector<float> logits(H * rows.size()), scratch(H);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = rq[t], base = cu[b], p = pp[t], first = kf[b];
       const int64_t lo = std::max({fp[b], p - window + 1, int64_t(0)});
@@ -301,7 +301,8 @@ std::tuple<at::Tensor, at::Tensor> window_ragged_attention(const at::Tensor& q, 
         const int64_t end = std::min(p, first + (cu[b + 1] - base - S) - 1);
         for (int64_t pos = std::max(lo, first); pos <= end; ++pos) rows[n++] = kp + (base + S + pos - first) * D;
       }
-      attend(qp + t * H * D, H, D, rows.data(), n, skp, float(scale), logits.data(), op + t * H * D, lp + t * H);
+      attend(qp + t * H * D, H, D, rows.data(), n, skp, float(scale), logits.data(), scratch.data(), op + t * H * D,
+             lp + t * H);
     }
   });
   return {out, lse};
@@ -356,7 +357,7 @@ at::Tensor indexer_topk(const at::Tensor& iq, const at::Tensor& iw, const c10::o
   const int64_t CB = codes.size(1), SB = scales.size(1), group = Di / SB;
   int32_t* ip = idx.data_ptr<int32_t>();
   at::parallel_for(0, T, kGrainRows, [&](int64_t t0, int64_t t1) {
-    std::vector<float> key(Di);
+    std::vector<float> key(Di), d(Hi);
     TopK top{k, {}};
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = qr[t], n = cu[b + 1] - cu[b];
@@ -370,11 +371,9 @@ at::Tensor indexer_topk(const at::Tensor& iq, const at::Tensor& iw, const c10::o
           const int64_t row = er[cu[b] + c];
           dequant_fp4(cp + row * CB, sp + row * SB, Di, group, false, key.data());
         }
-        float d[64];
-        if (Hi <= 64) dots(qp + t * Hi * Di, Hi, kc, Di, d);
+        dots(qp + t * Hi * Di, Hi, kc, Di, d.data());
         float acc = 0.f;
-        for (int64_t h = 0; h < Hi; ++h)
-          acc += std::max(Hi <= 64 ? d[h] : dot(qp + (t * Hi + h) * Di, kc, Di), 0.f) * wp[t * Hi + h];
+        for (int64_t h = 0; h < Hi; ++h) acc += std::max(d[h], 0.f) * wp[t * Hi + h];
         top.offer(acc, int32_t(c));
       }
       top.write(ip + t * k);
@@ -407,8 +406,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_pool_attention(const at::Tensor& q, co
                                                          const at::Tensor& cu_c, const at::Tensor& q_req,
                                                          const at::Tensor& indices, double scale) {
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), K = indices.size(1);
-  auto out = at::zeros({T, H, D}, q.options());
-  auto lse = at::full({T, H}, kNegInf, q.options());
+  auto [out, lse] = empty_partials(q);
   const float* qp = q.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const uint8_t* sp = scales.data_ptr<uint8_t>();
@@ -421,7 +419,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_pool_attention(const at::Tensor& q, co
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
   at::parallel_for(0, T, kGrainRows, [&](int64_t t0, int64_t t1) {
-    std::vector<float> keys(K * D), logits(H * K);
+    std::vector<float> keys(K * D), logits(H * K), scratch(H);
     std::vector<const float*> rows(K);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = qr[t], count = cu[b + 1] - cu[b];
@@ -438,7 +436,8 @@ std::tuple<at::Tensor, at::Tensor> sparse_pool_attention(const at::Tensor& q, co
         ++n;
       }
       for (int64_t j = 0; j < n; ++j) rows[j] = keys.data() + j * D;
-      attend(qp + t * H * D, H, D, rows.data(), n, nullptr, float(scale), logits.data(), op + t * H * D, lp + t * H);
+      attend(qp + t * H * D, H, D, rows.data(), n, nullptr, float(scale), logits.data(), scratch.data(), op + t * H * D,
+             lp + t * H);
     }
   });
   return {out, lse};
