@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .cache import SequenceCache
+from .cache import SequenceCache, cache_for_hit, new_cache
 from .key_source import ExtendPlan
 from .model import CEDModel, ExtendResult
 
@@ -85,3 +85,18 @@ def continue_prefill(model: CEDModel, cache: SequenceCache, new_ids: Tensor, nar
     its own cache: what a restored snapshot computes)."""
     plan = ExtendPlan(window_floor=cache.window_floor, write_floor=cache.seq_len, narrow=narrow)
     return model.extend(cache, new_ids, cache.seq_len, plan)
+
+
+def reference_greedy(model: CEDModel, ids: list[int], num_tokens: int, hit: int = 0,
+                     donor_ids: list[int] | None = None) -> tuple[list[int], Tensor]:
+    """What a served request must answer, greedy: ``ids`` prefilled cold (``hit`` = 0) or with
+    bounded replay after a prefix hit of ``hit`` tokens on the global KV a cold run of
+    ``donor_ids`` wrote. Returns (tokens, logits (vocab,) f32 of the prompt's last row)."""
+    W, quantize = model.cfg.sliding_window, model.codec.quantize
+    cache = new_cache(model.cfg, quantize)
+    if hit:
+        donor = new_cache(model.cfg, quantize)
+        prefill(model, donor, torch.tensor(donor_ids), replay_span(0, W))
+        cache = cache_for_hit(donor, model.cfg, hit, quantize)
+    res = prefill(model, cache, torch.tensor(ids), replay_span(hit, W))
+    return greedy(model, cache, res.logits[-1], num_tokens), res.logits[-1]

@@ -27,6 +27,17 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def ref(tiny_model_dir):
+    """The reference on the kernels the server runs (the fast CPU backend where its C++ kernels
+    build): the served path then agrees with it bit for bit up to batch shapes; the kernels
+    themselves are held to the pure-torch twins in test_kernels_fast.py."""
+    from cedar.backend.model_io import load_model
+    from cedar.kernels.dispatch import KernelSet
+
+    return load_model(tiny_model_dir).use_kernels(KernelSet.for_device("cpu"))
+
+
 def start_server(model_dir: Path, *extra: str, **kw):
     from cedar.backend.serving.launch import ServeConfig
     from cedar.backend.serving.process import ServerProcess, free_port
@@ -49,6 +60,7 @@ def wait_idle_and_check(server, timeout_s: float = 30.0) -> dict:
             break
         time.sleep(0.5)
     assert state["tokens_ok"], f"token pool integrity broken: {state}"
+    assert state["slots_ok"], f"Cedar's slot / snapshot invariants broken: {state['slots_broken']}"
     assert idle, f"request slots leaked: {state}"
     assert state["tokens"]["in_use"] == 0 and state["tokens"]["protected"] == 0, state
     return state

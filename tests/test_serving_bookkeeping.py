@@ -256,3 +256,52 @@ def test_snapshot_budget_drops_oldest_and_never_restores_stale_state(model):
     # same tokens in other token slots (a recomputed prefix) never match
     other = torch.tensor(reqs[2].token_slots[:64]) + 2
     assert not store.restore(h.slots, 6, "z", 64, prefix_digest(other, h.pools.token_ids[torch.tensor(reqs[2].token_slots[:64])]))
+
+
+def test_admission_charges_the_replay_rows_a_hit_will_run(model):
+    """What SGLang's prefill budget is told (the PrefillAdder._replay_len hook): min(W, H) rows
+    for a stale hit, H in exact mode, none where a snapshot continues the request exactly."""
+    from cedar.backend.serving.planner import admission_replay_rows
+    from cedar.backend.serving.snapshots import SnapshotStore
+
+    h = Harness(model)
+    a = h.admit("a", 0, ids(300, 60))
+    h.step([(a, 300)])
+    slots = torch.tensor(a.token_slots)
+    store = SnapshotStore(2**26)
+    bounded, exact = ServingFlags(), ServingFlags(replay="exact")
+    assert admission_replay_rows(CFG, bounded, h.pools, store, 0, slots[:0]) == 0
+    assert admission_replay_rows(CFG, bounded, h.pools, store, 100, slots[:100]) == 100
+    assert admission_replay_rows(CFG, bounded, h.pools, store, 298, slots[:298]) == W
+    assert admission_replay_rows(CFG, exact, h.pools, store, 298, slots[:298]) == 298
+    assert store.save(h.slots, 0, h.slots.owners[0].hasher)
+    assert admission_replay_rows(CFG, bounded, h.pools, store, 298, slots[:298]) == 0  # restores
+    assert admission_replay_rows(CFG, bounded, h.pools, store, 298, None) == W  # slots unknown
+    assert admission_replay_rows(CFG, ServingFlags(snapshots=False), h.pools, store, 298, slots[:298]) == W
+    # the same snapshot is restored by the planner: the admission figure is what the forward runs
+    b = h.admit("b", 3, a.ids + ids(10, 61), hit_from=a, hit=298)
+    _, plan = h.step([(b, len(b.ids) - 298)], snapshots=store)
+    assert plan.requests[0].replayed == 0
+
+
+def test_restored_session_chunked_by_the_scheduler_equals_its_exact_continuation(model):
+    """A restored turn whose few new rows SGLang splits into chunks (the budget shared with other
+    requests): the decoder continues from the snapshot's decoder state, as the unchunked turn
+    does, instead of re-running the restored rows with a cut window (found by the property test)."""
+    from cedar.backend.serving.snapshots import SnapshotStore
+
+    results = []
+    for chunks in ([3], [2, 1]):
+        h, store = Harness(model), SnapshotStore(2**26)
+        a = h.admit("a", 0, ids(132, 70))
+        out, _ = h.step([(a, 132)])
+        a.ids.append(int(out["a"][-1].argmax()))
+        out, _ = h.step([(a, 1)])
+        assert store.save(h.slots, 0, h.slots.owners[0].hasher)
+        b = h.admit("b", 1, a.ids[:132] + ids(3, 71), hit_from=a, hit=132)
+        for i, n in enumerate(chunks):
+            out, plan = h.step([(b, n)], [RequestInfo(final_chunk=i == len(chunks) - 1)], snapshots=store)
+            assert plan.requests[0].replayed == 0
+        assert h.slots.owners[1].restored_tokens == 132
+        results.append(out["b"][-1])
+    assert close(results[0], results[1])

@@ -21,6 +21,8 @@ EXPECTED_PARAMS = {
     "checkpoint": ["self", "req", "up_to"],
     "state": ["self", "recv_req"],
     "handlers": ["self"],
+    "replay_len": ["self", "req", "prefix_len"],
+    "set_state": ["self", "obj"],
 }
 TOOL_CALL_PARAMS = {
     "structural_tag": ["self", "key_string"],

@@ -113,11 +113,14 @@ class BatchTables:
         if all(r.num_rows == 1 and r.decoder == "all" for r in reqs):
             return cls._decode(cfg, reqs, slot, seq, prefix, first, floor)
         enc = _row_set(first, seq - first)
+        # NOTE: a tail starts at the last W positions, or where the slot's decoder state ends (a
+        # restored snapshot's decoder continues from it, reading its rings); only a tail that cut
+        # rows the decoder never ran reads nothing below its first row.
         keep = torch.tensor([r.row_start if r.decoder == "all" else
-                             max(r.window_floor, r.seq_len - W) if r.decoder == "tail" else r.seq_len
+                             max(r.window_floor, r.seq_len - W, r.decoder_pos) if r.decoder == "tail" else r.seq_len
                              for r in reqs], **long)
         dec = _row_set(keep, seq - keep)
-        tail = torch.tensor([r.decoder == "tail" for r in reqs])
+        tail = torch.tensor([r.decoder == "tail" and r.seq_len - W > r.decoder_pos for r in reqs])
         T, owner, p = enc.batch.num_rows, dec.owner, dec.batch.pos
         own = p >= first[owner]
         dec_src = torch.where(own, enc.cu[:-1][owner] + p - first[owner], T + slot[owner] * W + p % W)

@@ -10,9 +10,10 @@ decides, per request:
 - where its decoder runs: ``all`` its rows (untrimmed), its ``tail`` (the last W positions,
   some carried over from earlier chunks), or ``skip`` (a non-final chunk under narrowing).
 
-NOTE: SGLang's scheduler does not see replay rows: a forward may run up to W more rows per stale
-hit request than its ``--chunked-prefill-size`` / ``--max-prefill-tokens`` budget (a bounded,
-documented overshoot; no admission hook).
+SGLang's prefill budget counts replay rows: its admission asks :func:`admission_replay_rows`
+(through the ``PrefillAdder._replay_len`` hook in :mod:`sglang_hooks`) how many rows a new
+request with a prefix hit will replay, so a forward never runs more rows than
+``--chunked-prefill-size`` / ``--max-prefill-tokens``, replay rows included.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class ServedRequest:
     replayed: int  # replay rows put in front of the scheduled rows
     decoder: str  # one of DECODER_MODES
     token_slots: Tensor  # (seq_len,) int64 token slot of every position
+    decoder_pos: int = 0  # the slot's decoder state is up to date below this position
 
     @property
     def num_rows(self) -> int:
@@ -81,6 +83,31 @@ class ServedForward:
     input_ids: Tensor  # (T,) int64 model rows: each request's replay rows, then its scheduled rows
     batch: RowBatch
     sched_index: Tensor  # (T,) int64 the row's index in SGLang's batch, -1 for a replay row
+
+
+def replay_rows(flags: ServingFlags, cfg: CEDConfig, hit: int) -> int:
+    """Rows a request whose slot state is stale replays at a prefix hit of ``hit`` tokens."""
+    return hit - _stale_start(flags, cfg, hit)
+
+
+def _snapshot_digest(pools: TokenPools, token_slots: Tensor, hit: int) -> str:
+    return prefix_digest(token_slots[:hit], pools.token_ids[token_slots[:hit]])
+
+
+def _restorable(flags: ServingFlags, snapshots: SnapshotStore | None, hit: int) -> bool:
+    return bool(hit) and snapshots is not None and flags.snapshots and flags.replay != "off"
+
+
+def admission_replay_rows(cfg: CEDConfig, flags: ServingFlags, pools: TokenPools, snapshots: SnapshotStore | None,
+                          hit: int, prefix_slots: Tensor | None) -> int:
+    """Replay rows a request admitted with a prefix hit of ``hit`` tokens will run in front of
+    its scheduled rows (SGLang's prefill budget charges them): none where a snapshot continues
+    it exactly. prefix_slots: (hit,) the token slots the radix tree matched, None if unknown
+    (then a snapshot is not assumed)."""
+    if hit and prefix_slots is not None and _restorable(flags, snapshots, hit) \
+            and snapshots.contains(hit, _snapshot_digest(pools, prefix_slots.long(), hit)):
+        return 0
+    return replay_rows(flags, cfg, hit) if hit else 0
 
 
 def _stale_start(flags: ServingFlags, cfg: CEDConfig, hit: int) -> int:
@@ -111,10 +138,9 @@ def claim_slot(cfg: CEDConfig, flags: ServingFlags, slots: RequestSlots, pools: 
                rid: str, hit: int, token_slots: Tensor, snapshots: SnapshotStore | None) -> None:
     """Give a stale ``slot`` to ``rid``: restore a snapshot that continues exactly at the hit,
     else reset it for bounded replay from the replay start."""
-    if hit and snapshots is not None and flags.snapshots and flags.replay != "off":
-        digest = prefix_digest(token_slots[:hit], pools.token_ids[token_slots[:hit]])
-        if snapshots.restore(slots, slot, rid, hit, digest):
-            return
+    if _restorable(flags, snapshots, hit) \
+            and snapshots.restore(slots, slot, rid, hit, _snapshot_digest(pools, token_slots, hit)):
+        return
     slots.reset(slot, rid, _stale_start(flags, cfg, hit))
     slots.owners[slot].cached_tokens = hit
 
@@ -139,7 +165,7 @@ def plan_forward(cfg: CEDConfig, flags: ServingFlags, slots: RequestSlots, pools
         replay_ids = pools.token_ids[token_slots[start:hit]].long()
         mode = _decoder_mode(flags, infos[b], owner.decoder_pos, start, seq_len - start, cfg.sliding_window)
         requests.append(ServedRequest(slot, rid, start, hit, seq_len, owner.window_floor, hit - start,
-                                      mode, token_slots))
+                                      mode, token_slots, owner.decoder_pos))
         ids += [replay_ids, input_ids[offset:offset + n]]
         sched += [torch.full((hit - start,), -1, dtype=torch.long), torch.arange(offset, offset + n)]
         pos.append(torch.arange(start, seq_len, dtype=torch.long))

@@ -25,10 +25,20 @@ def free_port() -> int:
 class ServerProcess:
     """``with ServerProcess(cfg) as srv: srv.url ...``; the log goes to ``log_path``."""
 
-    def __init__(self, cfg: ServeConfig, log_path: Path | None = None, timeout_s: float = 180) -> None:
-        self.cfg, self.timeout_s = cfg, timeout_s
+    def __init__(self, cfg: ServeConfig, log_path: Path | None = None, timeout_s: float = 180,
+                 argv: list[str] | None = None) -> None:
+        """argv: the command to run instead of ``cfg.argv()`` (e.g. ``cedar serve ...``, which
+        becomes the same SGLang server); cfg still names its host, port and API key."""
+        self.cfg, self.timeout_s, self.argv = cfg, timeout_s, argv
         self.log_path = Path(log_path or f"/tmp/cedar-server-{cfg.port}.log")
         self.proc: subprocess.Popen | None = None
+        extra = list(cfg.extra)
+        self.api_key = extra[extra.index("--api-key") + 1] if "--api-key" in extra[:-1] else None
+
+    def headers(self) -> dict[str, str]:
+        """JSON content type, and the bearer token where the server was started with --api-key."""
+        auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return {"Content-Type": "application/json", **auth}
 
     @property
     def url(self) -> str:
@@ -36,7 +46,7 @@ class ServerProcess:
 
     def start(self) -> "ServerProcess":
         log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.cfg.argv(), env=self.cfg.env(), stdout=log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(self.argv or self.cfg.argv(), env=self.cfg.env(), stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         deadline = time.time() + self.timeout_s
         while time.time() < deadline:
@@ -76,8 +86,7 @@ class ServerProcess:
 
     # ------------------------------------------------------------------ small HTTP helpers
     def post(self, path: str, payload: dict, timeout: float = 300) -> tuple[int, dict]:
-        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(), headers=self.headers())
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, json.loads(r.read())
@@ -89,5 +98,6 @@ class ServerProcess:
                 return e.code, {"raw": body.decode(errors="replace")}
 
     def cedar_state(self) -> dict:
-        with urllib.request.urlopen(self.url + "/get_server_info", timeout=60) as r:
+        req = urllib.request.Request(self.url + "/get_server_info", headers=self.headers())
+        with urllib.request.urlopen(req, timeout=60) as r:
             return json.loads(r.read())["internal_states"][0]["cedar"]

@@ -29,7 +29,7 @@ from cedar.kernels.dispatch import KernelSet
 from ..memory import budget_bytes_per_token, memory_report
 from ..model import CEDModel
 from .hf_config import CedarHFConfig, ced_config_of
-from .planner import RequestInfo, ServingFlags, plan_forward
+from .planner import RequestInfo, ServingFlags, admission_replay_rows, plan_forward
 from .pool_keys import PoolKeys
 from .prepass import replay_prepass
 from .pools import RequestSlots, TokenPools
@@ -129,6 +129,13 @@ class CedarForCausalLM(nn.Module):
         if self.snapshots is not None and self.pools is not None:
             self.snapshots.rekey(rid, tree_slots, self.pools.token_ids)
 
+    def admission_replay_rows(self, hit: int, prefix_slots: Tensor | None) -> int:
+        """Replay rows SGLang's prefill budget must charge a request admitted at a prefix hit of
+        ``hit`` tokens (the ``PrefillAdder._replay_len`` hook); see planner.admission_replay_rows."""
+        if self.pools is None:
+            return 0
+        return admission_replay_rows(self.cfg, self.flags, self.pools, self.snapshots, hit, prefix_slots)
+
     def _ensure_pools(self) -> None:
         if self.pools is None:  # the allocation hook did not run: fail loudly, never guess
             raise RuntimeError("cedar pools were not allocated: the SGLang plugin hooks are not active")
@@ -164,7 +171,7 @@ class CedarForCausalLM(nn.Module):
         keys = PoolKeys(self.cfg, self.model.codec, self.pools, self.slots, plan)
         dec = self.model.run_layers(self.model.embed(plan.input_ids), plan.batch, keys)
         keys.commit()
-        self.stats.record(plan)
+        self.stats.record(plan, "decode" if fb.forward_mode.is_decode() else "extend")
         if dec is not None:
             sched = plan.sched_index[dec.source_row.clamp_min(0)]
             ok = (dec.source_row >= 0) & (sched >= 0)

@@ -15,8 +15,12 @@ Each hook is a no-op for models other than Cedar's.
   concurrent duplicate's slots are freed) |
 | TokenizerManager._validate_one_request | reject empty prompts and token ids outside the vocabulary
   with a 400 (SGLang does not check ids; an out-of-range id would crash the scheduler) |
+| PrefillAdder._replay_len | charge the prefill budget the replay rows a new request will run
+  (SGLang's own admission already subtracts them from the chunk), so no forward outgrows it |
 | SchedulerInternalStateController.get_internal_state / _update_handlers | expose pools and
   integrity under /get_server_info; let /set_internal_state flip the replay benchmark switch |
+| TokenizerManager.set_internal_state | a bad Cedar switch (unknown, or not 0/1) gets a 400 with a
+  message (SGLang answers a rejected update 200 ``[false]``) |
 
 Tool-calling fixes (any model) live in ``tool_call_hooks.py``, installed from here.
 """
@@ -41,7 +45,9 @@ TARGETS = {
     "validate": P + "managers.tokenizer_manager.TokenizerManager._validate_one_request",
     "release": P + "mem_cache.common.release_kv_cache",
     "checkpoint": P + "mem_cache.unified_radix_cache.UnifiedRadixCache.checkpoint_into_tree",
+    "replay_len": P + "managers.schedule_policy.PrefillAdder._replay_len",
     "state": P + "managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state",
+    "set_state": P + "managers.tokenizer_manager.TokenizerManager.set_internal_state",
     "handlers": P + "managers.scheduler_components.internal_state.SchedulerInternalStateController._update_handlers",
 }
 # runtime switches for /set_internal_state (0/1): benchmarks and tests flip modes in one server
@@ -77,6 +83,12 @@ def cell_size(original, self, kvc, num_layers):
 def after_alloc(result, model_runner, *args, **kwargs):
     model = _cedar_model(model_runner)
     if model is not None:
+        from sglang.srt.runtime_context import get_schedule
+
+        chunk, need = get_schedule().chunked_prefill_size, model.cfg.sliding_window + model_runner.page_size
+        if chunk is not None and 0 < chunk < need:
+            raise ValueError(f"--chunked-prefill-size {chunk} leaves no room for a hit's {model.cfg.sliding_window} "
+                             f"replay rows: serve with at least {need}")
         # NOTE: SGLang's slot ids run over [0, size + page_size): page 0 is its padding page.
         figures = model.allocate(model_runner.token_to_kv_pool.size + model_runner.page_size,
                                  model_runner.req_to_token_pool.req_to_token.shape[0], model_runner.page_size)
@@ -86,6 +98,22 @@ def after_alloc(result, model_runner, *args, **kwargs):
                     figures["budget_bytes_per_token"], model_runner.max_total_num_tokens,
                     figures["swa_bytes_per_request"])
     return result
+
+
+def around_replay_len(original, self, req, prefix_len):
+    model = getattr(getattr(self.tree_cache, "req_to_token_pool", None), "cedar_model", None)
+    if model is None:
+        return original(self, req, prefix_len)
+    # NOTE: the matched slots are known only for the tree's own match (no host-tier hits here)
+    slots = self.tree_cache.prefix_device_indices(req) if 0 < prefix_len <= req.prefix_len else None
+    rows = model.admission_replay_rows(prefix_len, None if slots is None else slots[:prefix_len])
+    limit = self.rem_chunk_tokens
+    if rows and limit is not None and not self.can_run_list and rows > limit - self.page_size:
+        # NOTE: only `--replay exact` (the whole prefix, a reference mode) gets here (the alloc
+        # hook keeps the chunk above W + a page): such a request runs alone, over the budget,
+        # rather than never.
+        return max(limit - self.page_size, 0)
+    return rows
 
 
 def after_init_new(forward_batch, cls, batch, model_runner, *args, **kwargs):
@@ -159,6 +187,12 @@ def _check_sizes(obj, vocab_size: int) -> None:
     for t in (i for group in ids for i in (group if isinstance(group, list) else [group])):
         if not (isinstance(t, int) and 0 <= t < vocab_size):
             raise ValueError(f"token_ids_logprob: token id {t!r} is out of range [0, {vocab_size})")
+    starts = getattr(obj, "logprob_start_len", None)
+    for start in starts if isinstance(starts, list) else [starts]:
+        # NOTE: a start below -1 failed an assertion in SGLang's logprob processor and killed the
+        # scheduler; past the prompt SGLang answers a 400 itself
+        if start is not None and not (isinstance(start, int) and start >= -1):
+            raise ValueError(f"logprob_start_len must be -1 (no prompt logprobs) or a prompt position, got {start!r}")
     params = getattr(obj, "sampling_params", None)
     for sp in params if isinstance(params, list) else [params]:
         n = sp.get("n") if isinstance(sp, dict) else None
@@ -169,12 +203,17 @@ def _check_sizes(obj, vocab_size: int) -> None:
 def after_state(output, self, recv_req):
     model = _cedar_model(self.scheduler.tp_worker.model_runner)
     if model is not None:
-        from .integrity import pool_integrity
+        from .integrity import pool_integrity, slot_integrity
 
         state = dict(model.memory_figures())
         state["integrity"] = pool_integrity(self.scheduler)
+        running = self.scheduler.running_batch.reqs if self.scheduler.running_batch else []
+        broken = slot_integrity(model.slots, model.snapshots, {int(r.kv.req_pool_idx): r.rid for r in running
+                                                               if r.kv.req_pool_idx is not None})
+        state["integrity"].update(slots_ok=not broken, slots_broken=broken[:20])
         state["replayed_tokens_total"] = model.stats.replayed_tokens
         state["forward_ms"] = model.stats.forward_summary()
+        state["forward_rows_max"] = dict(model.stats.rows_max)
         state["kernels"] = model.kernel_info()
         state["flags"] = dataclasses.asdict(model.flags)
         output.internal_state["cedar"] = state
@@ -202,6 +241,27 @@ def after_handlers(handlers, self):
     return handlers
 
 
+def switch_problem(server_args) -> str | None:
+    """Why a /set_internal_state body's Cedar switches are refused, or None (other keys are
+    SGLang's to judge)."""
+    for key, value in (server_args or {}).items():
+        if key.startswith("cedar_") and key not in SWITCHES:
+            return f"unknown Cedar switch {key!r}: one of {sorted(SWITCHES)}"
+        if key in SWITCHES and not (type(value) in (int, bool) and value in (0, 1)):
+            return f"{key} must be 0 or 1, got {value!r}"
+    return None
+
+
+async def around_set_state(original, self, obj, *args, **kwargs):
+    hf = getattr(getattr(self, "model_config", None), "hf_config", None)
+    problem = switch_problem(getattr(obj, "server_args", None)) if hf is not None and _is_cedar(hf) else None
+    if problem is not None:
+        from fastapi.responses import ORJSONResponse
+
+        return ORJSONResponse(status_code=400, content={"error": {"message": problem}})
+    return await original(self, obj, *args, **kwargs)
+
+
 def install() -> None:
     """Register every hook (called by the plugin in each SGLang process)."""
     import sglang
@@ -217,6 +277,8 @@ def install() -> None:
     HookRegistry.register(TARGETS["validate"], before_validate, HookType.BEFORE)
     HookRegistry.register(TARGETS["release"], before_release, HookType.BEFORE)
     HookRegistry.register(TARGETS["checkpoint"], after_checkpoint, HookType.AFTER)
+    HookRegistry.register(TARGETS["replay_len"], around_replay_len, HookType.AROUND)
     HookRegistry.register(TARGETS["state"], after_state, HookType.AFTER)
+    HookRegistry.register(TARGETS["set_state"], around_set_state, HookType.AROUND)
     HookRegistry.register(TARGETS["handlers"], after_handlers, HookType.AFTER)
     tool_call_hooks.install()

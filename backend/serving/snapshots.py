@@ -90,6 +90,15 @@ class SnapshotStore:
             self._by_key[key] = sid
         self._snaps[sid] = (snap, new_keys)
 
+    def contains(self, hit: int, digest: str) -> bool:
+        """Whether :meth:`restore` at ``hit`` over a prefix of this digest would succeed now."""
+        return (hit, digest) in self._by_key
+
+    def donor(self, hit: int, digest: str) -> str | None:
+        """The request whose finished state a restore at (hit, digest) would load, if any."""
+        sid = self._by_key.get((hit, digest))
+        return None if sid is None else self._snaps[sid][0].owner.rid
+
     def restore(self, slots: RequestSlots, slot: int, rid: str, hit: int, digest: str) -> bool:
         """If a snapshot continues exactly at ``hit`` over the same prefix, load it into ``slot``
         (its owner becomes ``rid`` at position ``hit``) and return True."""
@@ -100,8 +109,11 @@ class SnapshotStore:
         self._snaps.move_to_end(sid)
         for name, t in slots.slot_tensors().items():
             t[slot] = snap.tensors[name]
-        # NOTE: state at positions >= hit is ignored by every reader (positions are tagged) and
-        # the compressor tail of a page-aligned position is empty.
+        # NOTE: the finished request's rows at positions >= hit are not the new request's: their
+        # tags are cleared (readers only read tagged positions), and the compressor tail of a
+        # page-aligned position is empty.
+        for pos in (*slots.ring_pos.values(), slots.enc_pos):
+            pos[slot].masked_fill_(pos[slot] >= hit, -1)
         for s in slots.tail_len:
             slots.tail_len[s][slot] = 0
         slots.owners[slot] = SlotOwner(rid=rid, next_pos=hit, decoder_pos=min(hit, snap.owner.decoder_pos),
@@ -117,6 +129,17 @@ class SnapshotStore:
                 del self._by_key[key]
         self.used_bytes -= snap.nbytes
         self.dropped += 1
+
+    def check(self) -> list[str]:
+        """Broken invariants of the store (empty: all hold)."""
+        bad = []
+        used = sum(snap.nbytes for snap, _ in self._snaps.values())
+        if used != self.used_bytes or used > self.budget_bytes:
+            bad.append(f"snapshot bytes {used} (counted {self.used_bytes}) against a budget of {self.budget_bytes}")
+        stale = [key for key, sid in self._by_key.items() if sid not in self._snaps]
+        if stale:
+            bad.append(f"{len(stale)} snapshot keys name dropped snapshots")
+        return bad
 
     def stats(self) -> dict:
         return {"snapshots": len(self), "snapshot_bytes": self.used_bytes, "snapshot_budget_bytes": self.budget_bytes,

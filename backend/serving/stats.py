@@ -18,6 +18,7 @@ class ServingStats:
         self.replayed_tokens = 0  # since start-up, all requests
         self._counter = None
         self.forward_s: dict[str, list[float]] = {"decode": [0, 0.0], "extend": [0, 0.0]}  # kind -> [n, seconds]
+        self.rows_max = {"decode": 0, "extend": 0}  # most model rows of one forward (replay rows included)
 
     def time_forward(self, kind: str, seconds: float) -> None:
         """Wall time of one model forward in the scheduler (planner, tables, layers, logits)."""
@@ -35,7 +36,9 @@ class ServingStats:
             self._counter = Counter("cedar:replayed_tokens", "Rows recomputed by bounded replay")
         return self._counter
 
-    def record(self, plan) -> None:
+    def record(self, plan, kind: str | None = None) -> None:
+        if kind is not None:
+            self.rows_max[kind] = max(self.rows_max[kind], int(plan.input_ids.numel()))
         n = sum(r.replayed for r in plan.requests)
         self.replayed_tokens += n
         counter = self._prometheus()
