@@ -5,6 +5,7 @@
   generate    greedy generation through the pure-torch reference path
   serve       serve a model with SGLang's own HTTP server (extra flags go to SGLang)
   serve-demo  serve the shipped model, send it raw requests (a repeated prefix among them), stop
+  soak        a long run of agent load with chaos and bad input, every phase checked (JSON report)
   bench       benchmarks against the real server (``cedar bench hits``: TTFT of prefix-cache hits;
               ``prefill``: decoder narrowing; ``engine``: Cedar vs stock SGLang, same-dims Llama)
 
@@ -90,6 +91,10 @@ def _cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
                          replay_per_request=args.replay_per_request, snapshot_mb=args.snapshot_mb)
     cfg = ServeConfig(model=args.model, host=args.host, port=args.port, flags=flags, extra=tuple(extra))
     argv = cfg.argv()
+    scope = "loopback only: other machines cannot reach it (--host 0.0.0.0 to serve them)" \
+        if args.host in ("127.0.0.1", "localhost", "::1") else "reachable from other machines"
+    key = "" if "--api-key" in extra else "; no --api-key: every client is trusted"
+    print(f"cedar serve: listening on {args.host}:{args.port}, {scope}{key}", flush=True)
     print("cedar serve:", " ".join(argv), flush=True)
     os.execve(argv[0], argv, cfg.env())
     return 0  # not reached
@@ -128,6 +133,39 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
     print(format_table(report["table"]))
     print(f"[bench engine] {report['wall_s']} s; wrote {args.json}" + (f" and {args.plot}" if args.plot else ""))
     return 0
+
+
+def _cmd_soak(args: argparse.Namespace) -> int:
+    from .demo import ensure_model
+    from .soak.load import LoadConfig
+    from .soak.run import SoakConfig, run_soak
+
+    ensure_model(Path(args.model))
+    cfg = SoakConfig(minutes=args.minutes, phase_s=args.phase_s, seed=args.seed,
+                     load=LoadConfig(sessions=args.sessions, hang_s=args.hang_s))
+    report = run_soak(cfg, Path(args.model), Path(args.json), args.server, args.api_key)
+    c = report["counts"]
+    print(f"[soak] {report['wall_s']} s: sent {c['sent']}, finished {c['finished']}, aborted {c['aborted']}, "
+          f"cut {c['disconnected']}, rejected {c['rejected']}, hung {c['hung']}, lost {c['lost']}; "
+          f"{len(c['bad_input_failures'])} bad inputs without a 4xx; sentinels {report['sentinels_checked']} checked, "
+          f"{len(report['sentinel_mismatches'])} wrong; RSS growth {report['rss_growth_after_warmup_pct']}%")
+    print(f"[soak] goals: {report['goals_met']}; wrote {args.json}")
+    return 0 if report["passed"] else 1
+
+
+def _add_soak(sub) -> None:
+    s = sub.add_parser("soak", help="agent load with disconnects, aborts and bad input; integrity, RSS and "
+                       "reference-checked sentinels after every phase")
+    s.add_argument("--minutes", type=float, default=30.0)
+    s.add_argument("--json", required=True, help="write the report here")
+    s.add_argument("--server", default=None, help="soak this server (URL) instead of starting one")
+    s.add_argument("--api-key", default=None, help="the server's --api-key (a started server gets it too)")
+    s.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="the served model (sentinels' reference)")
+    s.add_argument("--sessions", type=int, default=16, help="concurrent multi-turn sessions")
+    s.add_argument("--phase-s", type=float, default=120.0, help="seconds of load between two checks")
+    s.add_argument("--hang-s", type=float, default=180.0, help="a request with no answer within this is hung")
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(fn=_cmd_soak)
 
 
 def _add_bench(sub) -> None:
@@ -190,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=_cmd_serve_demo)
 
     _add_bench(sub)
+    _add_soak(sub)
     _add_plugins(sub)
     return p
 

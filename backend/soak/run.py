@@ -1,0 +1,186 @@
+"""``cedar soak``: a long run of agent-like load with chaos and bad input against a server it
+starts (pool at about 20% of the sessions' working set, a snapshot budget of a few snapshots,
+small chunks, so eviction, retraction and snapshot LRU run all the time) or one given by URL.
+
+The run is cut into phases. After each, the load pauses until nothing is in flight, and the
+run checks: the pools' integrity and Cedar's slot / snapshot invariants (``/get_server_info``),
+that every request slot and token is released, the server's RSS, and every sentinel against
+the reference model (greedy tokens, cold or bounded replay after the hit it got). The report
+counts requests sent / finished / aborted / disconnected / rejected / hung / lost, every bad
+input that did not get a 4xx with a message, integrity failures and RSS growth after the first
+phase (the warm-up), and says which goals were met.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..bench.common import machine_info
+from .bad_input import catalogue
+from .load import Load, LoadConfig
+
+GOALS = "0 lost or hung; every bad input a 4xx with a message; integrity after every phase; " \
+        "RSS growth < 5% after the first phase; every sentinel identical to the reference"
+
+
+@dataclass
+class SoakConfig:
+    minutes: float = 30.0
+    phase_s: float = 120.0
+    seed: int = 0
+    context: int = 4096  # --context-length of a started server
+    pool_share: float = 0.2  # pool size / the sessions' working set
+    snapshots: int = 4  # snapshot budget, in snapshots of one request slot
+    chunk: int = 512  # --chunked-prefill-size
+    load: LoadConfig = field(default_factory=LoadConfig)
+
+
+def _server_args(cfg: SoakConfig, model_dir: Path) -> tuple[tuple[str, ...], float]:
+    """SGLang flags and the snapshot budget (MB) of a started server."""
+    from ..config import CEDConfig
+    from ..serving.pools import RequestSlots
+
+    ced = CEDConfig.load(model_dir)
+    working_set = cfg.load.sessions * cfg.load.max_context
+    pool = max(int(working_set * cfg.pool_share), cfg.context + 1024)
+    per_slot = sum(t[0].numel() * t.element_size() for t in RequestSlots(ced, 1).slot_tensors().values())
+    extra = ("--max-total-tokens", str(pool), "--context-length", str(cfg.context),
+             "--chunked-prefill-size", str(cfg.chunk), "--max-running-requests", str(cfg.load.sessions))
+    return extra, cfg.snapshots * per_slot / 2**20
+
+
+def _state(url: str, headers: dict) -> dict:
+    req = urllib.request.Request(url + "/get_server_info", headers=headers)
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())["internal_states"][0]["cedar"]
+
+
+def _wait_idle(url: str, headers: dict, timeout_s: float = 120) -> dict:
+    deadline = time.time() + timeout_s
+    while True:
+        state = _state(url, headers)
+        slots = state["integrity"]["request_slots"]
+        if slots["free"] == slots["total"] or time.time() > deadline:
+            return state
+        time.sleep(0.5)
+
+
+def _rss_mb(pid: int | None) -> float | None:
+    if pid is None:
+        return None
+    import psutil
+
+    proc = psutil.Process(pid)
+    return round(sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)]) / 2**20, 1)
+
+
+def _verify_sentinels(records, ref) -> tuple[int, list[dict]]:
+    """(checked, mismatches) of the sentinels against the reference's greedy answer."""
+    from ..replay import reference_greedy
+
+    checked, bad = 0, []
+    for r in records:
+        if r.restored_tokens or (r.cached_tokens and r.donor_ids is None):
+            bad.append({"why": "an unexpected hit", "cached": r.cached_tokens, "restored": r.restored_tokens})
+            continue
+        want, _ = reference_greedy(ref, r.ids, len(r.output_ids), r.cached_tokens, r.donor_ids)
+        checked += 1
+        if want != r.output_ids:
+            first = next(i for i, (a, b) in enumerate(zip(want, r.output_ids)) if a != b)
+            bad.append({"prompt_len": len(r.ids), "hit": r.cached_tokens, "first_wrong": first,
+                        "served": r.output_ids, "reference": want})
+    return checked, bad
+
+
+def _phase_report(i, t0, load, state, sentinels, rss, drained) -> dict:
+    integ = state["integrity"]
+    tokens = integ["tokens"]
+    ok = bool(integ["tokens_ok"] and integ.get("slots_ok", True) and drained
+              and integ["request_slots"]["free"] == integ["request_slots"]["total"]
+              and tokens["in_use"] == 0 and tokens["protected"] == 0)
+    return {"phase": i, "t_s": round(time.time() - t0, 1), "counts": {k: v for k, v in load.counts.snapshot().items()
+                                                                      if not isinstance(v, list)},
+            "integrity_ok": ok, "drained": drained, "integrity": integ, "rss_mb": rss,
+            "sentinels_checked": sentinels[0], "sentinel_mismatches": sentinels[1],
+            "snapshots": state.get("snapshots"), "replayed_tokens_total": state.get("replayed_tokens_total")}
+
+
+def run_soak(cfg: SoakConfig, model_dir: Path, out_json: Path, server_url: str | None = None,
+             api_key: str | None = None, log=print) -> dict:
+    import sglang
+
+    from ..config import CEDConfig
+    from ..model_io import load_model
+    from ..serving.launch import ServeConfig
+    from ..serving.planner import ServingFlags
+    from ..serving.process import ServerProcess, free_port
+    from cedar.kernels.dispatch import KernelSet
+
+    ced = CEDConfig.load(model_dir)
+    ref = load_model(model_dir).use_kernels(KernelSet.for_device("cpu"))  # the kernels the server runs
+    srv, argv = None, None
+    if server_url is None:
+        extra, snapshot_mb = _server_args(cfg, model_dir)
+        serve = ServeConfig(model=str(model_dir), port=free_port(), flags=ServingFlags(snapshot_mb=snapshot_mb),
+                            extra=extra + (("--api-key", api_key) if api_key else ()))
+        srv = ServerProcess(serve, log_path=Path(f"/tmp/cedar-soak-{serve.port}.log")).start()
+        server_url, argv, pid = srv.url, serve.argv(), srv.proc.pid
+        log(f"[soak] server {server_url} (log {srv.log_path}): {' '.join(extra)} --snapshot-mb {snapshot_mb:.2f}")
+    else:
+        pid = None
+    host, port = server_url.split("//", 1)[1].split(":")
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    load = Load(host, int(port), ced.vocab_size, catalogue(ced.vocab_size, cfg.context), cfg.load, cfg.seed, api_key)
+    phases, t0 = [], time.time()
+    n_phases = max(1, round(cfg.minutes * 60 / cfg.phase_s))
+    try:
+        load.start()
+        for i in range(n_phases):
+            time.sleep(cfg.phase_s)
+            drained = load.pause(cfg.load.hang_s + 30)
+            state = _wait_idle(server_url, headers)
+            records, load.sentinels = load.sentinels, []
+            sentinels = _verify_sentinels(records, ref)
+            phase = _phase_report(i, t0, load, state, sentinels, _rss_mb(pid), drained)
+            phases.append(phase)
+            c = phase["counts"]
+            log(f"[soak] phase {i + 1}/{n_phases} at {phase['t_s']:.0f} s: sent {c['sent']} finished {c['finished']} "
+                f"aborted {c['aborted']} cut {c['disconnected']} rejected {c['rejected']} hung {c['hung']} "
+                f"lost {c['lost']}; integrity {'ok' if phase['integrity_ok'] else 'BROKEN'}; sentinels "
+                f"{sentinels[0]} checked, {len(sentinels[1])} wrong; RSS {phase['rss_mb']} MB")
+            load.resume()
+    finally:
+        load.close()
+        if srv is not None:
+            srv.stop()
+    report = _report(cfg, model_dir, server_url, argv, load, phases, t0, sglang.__version__)
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    out_json.write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+def _report(cfg, model_dir, url, argv, load, phases, t0, sglang_version) -> dict:
+    counts = load.counts.snapshot()
+    rss = [p["rss_mb"] for p in phases if p["rss_mb"] is not None]
+    growth = round(100 * (rss[-1] - rss[0]) / rss[0], 2) if len(rss) >= 2 else None
+    mismatches = [m for p in phases for m in p["sentinel_mismatches"]]
+    goals = {
+        "no_lost_or_hung": counts["lost"] == 0 and counts["hung"] == 0,
+        "bad_input_all_4xx_with_message": not counts["bad_input_failures"],
+        "integrity_every_phase": all(p["integrity_ok"] for p in phases),
+        "rss_growth_under_5pct": None if growth is None else growth < 5.0,
+        "sentinels_identical": not mismatches and sum(p["sentinels_checked"] for p in phases) > 0,
+    }
+    return {
+        "what": "cedar soak: multi-turn sessions with disconnects, aborts, bad input and reference-checked sentinels",
+        "goals": GOALS, "goals_met": goals, "passed": all(v is not False for v in goals.values()),
+        "machine": machine_info(), "sglang_version": sglang_version, "model": str(model_dir), "server": url,
+        "server_argv": argv, "config": asdict(cfg), "wall_s": round(time.time() - t0, 1),
+        "counts": counts, "rss_mb": rss, "rss_growth_after_warmup_pct": growth,
+        "sentinels_checked": sum(p["sentinels_checked"] for p in phases), "sentinel_mismatches": mismatches,
+        "phases": phases,
+    }
