@@ -90,6 +90,8 @@ def _cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     flags = ServingFlags(replay=args.replay, narrow=not args.no_narrow,
                          replay_per_request=args.replay_per_request, snapshot_mb=args.snapshot_mb)
     cfg = ServeConfig(model=args.model, host=args.host, port=args.port, flags=flags, extra=tuple(extra))
+    if args.replicas > 1:
+        return _serve_replicas(cfg, args)
     argv = cfg.argv()
     scope = "loopback only: other machines cannot reach it (--host 0.0.0.0 to serve them)" \
         if args.host in ("127.0.0.1", "localhost", "::1") else "reachable from other machines"
@@ -98,6 +100,20 @@ def _cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     print("cedar serve:", " ".join(argv), flush=True)
     os.execve(argv[0], argv, cfg.env())
     return 0  # not reached
+
+
+def _serve_replicas(cfg, args: argparse.Namespace) -> int:
+    from .serving.replicas import Replicas, RouterConfig
+
+    key = cfg.extra[cfg.extra.index("--api-key") + 1] if "--api-key" in cfg.extra[:-1] else None
+    router = RouterConfig(host=args.host, port=args.port, policy=args.router_policy, api_key=key)
+    replicas = Replicas(cfg, args.replicas, router)
+    print(f"cedar serve: {args.replicas} replicas on ports {args.port + 1}-{args.port + args.replicas} (logs "
+          f"/tmp/cedar-replica-PORT.log) behind SGLang's router ({args.router_policy}) on {args.host}:{args.port}",
+          flush=True)
+    replicas.start()
+    print(f"cedar serve: ready at {replicas.url}", flush=True)
+    return replicas.supervise()
 
 
 def _cmd_bench_hits(args: argparse.Namespace) -> int:
@@ -168,6 +184,19 @@ def _add_soak(sub) -> None:
     s.set_defaults(fn=_cmd_soak)
 
 
+def _cmd_bench_trace(args: argparse.Namespace) -> int:
+    from .bench.trace_replay import run_trace_benchmark
+    from .demo import ensure_model
+
+    ensure_model(Path(args.model))
+    r = run_trace_benchmark(Path(args.model), Path(args.trace), Path(args.json), args.limit, args.concurrency,
+                            args.server, args.tokens_per_block)
+    print(f"[bench trace] {r['requests']} requests at concurrency {r['concurrency']}: hit rate measured "
+          f"{r['measured_hit_rate']:.4f}, theoretical {r['theoretical_hit_rate']:.4f} ({r['requests_off_theory']} "
+          f"requests off); TTFT p50 {r['ttft_ms_p50']} ms; wrote {args.json}")
+    return 0
+
+
 def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks against the real SGLang server")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
@@ -184,6 +213,16 @@ def _add_bench(sub) -> None:
         s.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
         s.add_argument("--quick", action="store_true", help=quick)
         s.set_defaults(fn=fn)
+    s = kinds.add_parser("trace", help="replay a Mooncake or Cedar-session trace closed-loop: measured vs "
+                         "theoretical prefix-hit rate, TTFT, output tok/s")
+    s.add_argument("--trace", required=True, help="JSONL trace (docs/bench/traces.md)")
+    s.add_argument("--json", required=True, help="write the report here")
+    s.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
+    s.add_argument("--server", default=None, help="replay against this server (URL) instead of starting one")
+    s.add_argument("--limit", type=int, default=None, help="the first N requests only")
+    s.add_argument("--concurrency", type=int, default=1)
+    s.add_argument("--tokens-per-block", type=int, default=4, help="token ids per trace block")
+    s.set_defaults(fn=_cmd_bench_trace)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -220,6 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replay in one separate forward per request (upstream's first design; for benchmarks)")
     s.add_argument("--snapshot-mb", type=float, default=64.0,
                    help="memory for exact-continuation snapshots of finished requests' window state (0: off)")
+    s.add_argument("--replicas", type=int, default=1,
+                   help="N > 1: N servers (ports PORT+1...) behind SGLang's router on PORT")
+    s.add_argument("--router-policy", default="cache_aware",
+                   choices=["cache_aware", "round_robin", "power_of_two", "random"])
     s.set_defaults(fn=_cmd_serve, passthrough=True)
 
     s = sub.add_parser("serve-demo", help="serve the shipped model and send it raw requests (cache counters)")

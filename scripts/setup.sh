@@ -26,6 +26,8 @@ $PIP install -q "torch==2.14.1" "torchvision==0.29.1" "triton==3.8.0"
 echo "[setup] SGLang 0.5.23 runtime (no CUDA stack)"
 $PIP install -q --no-deps "sglang==0.5.23"
 $PIP install -q -r scripts/requirements-sglang-cpu.txt
+echo "[setup] sglang-router 0.3.2 (cedar serve --replicas)"
+$PIP install -q --no-deps "sglang-router==0.3.2"
 $PIP install -q pytest hypothesis matplotlib safetensors psutil
 if ! "$VENV/bin/python" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   # NOTE: never install the stand-in beside a real sgl_kernel (GPU machines use the real one).

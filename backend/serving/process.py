@@ -22,6 +22,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_group(proc: subprocess.Popen | None, timeout_s: float = 30) -> None:
+    """SIGTERM a child started with ``start_new_session`` and its whole group; SIGKILL after
+    ``timeout_s``. A no-op for a process that is gone."""
+    if proc is None or proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 class ServerProcess:
     """``with ServerProcess(cfg) as srv: srv.url ...``; the log goes to ``log_path``."""
 
@@ -69,14 +82,7 @@ class ServerProcess:
             return ""
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        stop_group(self.proc)
 
     def __enter__(self) -> "ServerProcess":
         return self.start()

@@ -13,6 +13,7 @@ chunks, or aborted through SGLang's ``/abort_request`` while it runs.
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import random
 import socket
@@ -104,7 +105,7 @@ class Load:
         self._inflight, self._cv = 0, threading.Condition()
         self._threads: list[threading.Thread] = []
         self.system = fresh_ids(SYSTEM_SEED + seed, cfg.system_tokens, vocab_size)
-        self._next_session = 0
+        self._sessions = itertools.count(1)  # NOTE: next() on a count is atomic: one marker each
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -216,9 +217,7 @@ class Load:
         ctx: list[int] = []
         while not self.stop.is_set():
             if not ctx or len(ctx) > self.cfg.max_context - 400:
-                self._next_session += 1
-                marker = fresh_ids(SESSION_SEED + self.seed * 100_000 + self._next_session * 64 + rng.randrange(64),
-                                   8, self.vocab)
+                marker = fresh_ids(SESSION_SEED + self.seed * 100_000 + next(self._sessions), 8, self.vocab)
                 ctx = self.system + marker
             new = [rng.randrange(16, self.vocab - 64) for _ in range(rng.randint(16, 240))]
             if not self._admit():

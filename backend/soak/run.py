@@ -180,7 +180,7 @@ def _report(cfg, model_dir, url, argv, load, phases, t0, sglang_version) -> dict
         "goals": GOALS, "goals_met": goals, "passed": all(v is not False for v in goals.values()),
         "machine": machine_info(), "sglang_version": sglang_version, "model": str(model_dir), "server": url,
         "server_argv": argv, "config": asdict(cfg), "wall_s": round(time.time() - t0, 1),
-        "counts": counts, "rss_mb": rss, "rss_growth_after_warmup_pct": growth,
+        "counts": counts, "integrity_failures": sum(not p["integrity_ok"] for p in phases), "rss_mb": rss, "rss_growth_after_warmup_pct": growth,
         "sentinels_checked": sum(p["sentinels_checked"] for p in phases), "sentinel_mismatches": mismatches,
         "phases": phases,
     }

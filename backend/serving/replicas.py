@@ -1,0 +1,136 @@
+"""``cedar serve --replicas N``: N Cedar servers behind SGLang's own router (``sglang-router``,
+cache-aware by default), so a session's turns land on the replica that holds its prefix.
+
+The replicas are ordinary ``cedar serve`` servers on the ports after the router's, each a child
+process with its own log; the router listens where a single server would. Cedar's process
+supervises them: it exits when the router exits (stopping the replicas), stops everything on
+SIGTERM / SIGINT, and logs a replica that dies (the router's health checks and retries route
+around it). The same as two commands::
+
+    cedar serve --port 30001 &  cedar serve --port 30002 &
+    python -m sglang_router.launch_router --worker-urls http://127.0.0.1:30001 \\
+        http://127.0.0.1:30002 --policy cache_aware --port 30000
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from .launch import ServeConfig
+from .process import ServerProcess, free_port, stop_group
+
+ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    policy: str = "cache_aware"
+    api_key: str | None = None
+    # NOTE: a stopped replica answers no health check within a second: route around it fast
+    health_interval_s: int = 2
+    prometheus_port: int | None = None  # the router's metrics exporter (default: a free port)
+
+    def argv(self, worker_urls: list[str]) -> list[str]:
+        if self.policy not in ROUTER_POLICIES:
+            raise ValueError(f"router policy must be one of {ROUTER_POLICIES}, got {self.policy!r}")
+        args = [sys.executable, "-m", "sglang_router.launch_router", "--host", self.host, "--port", str(self.port),
+                "--worker-urls", *worker_urls, "--policy", self.policy,
+                "--health-check-interval-secs", str(self.health_interval_s), "--health-failure-threshold", "1",
+                "--retry-max-retries", "3", "--prometheus-host", "127.0.0.1",
+                "--prometheus-port", str(self.prometheus_port or free_port())]
+        return args + (["--api-key", self.api_key] if self.api_key else [])
+
+
+class Replicas:
+    """``with Replicas(base, n, router) as r: r.url ...``: n replicas of ``base`` (ports router.port
+    + 1 ... + n) and the router in front of them, all child processes."""
+
+    def __init__(self, base: ServeConfig, n: int, router: RouterConfig, log_dir: Path = Path("/tmp")) -> None:
+        if n < 1:
+            raise ValueError(f"--replicas must be at least 1, got {n}")
+        self.router_cfg, self.log_dir = router, Path(log_dir)
+        self.servers = [ServerProcess(replace(base, host="127.0.0.1", port=router.port + 1 + i),
+                                      log_path=self.log_dir / f"cedar-replica-{router.port + 1 + i}.log")
+                        for i in range(n)]
+        self.router: subprocess.Popen | None = None
+        self.router_log = self.log_dir / f"cedar-router-{router.port}.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.router_cfg.host}:{self.router_cfg.port}"
+
+    @property
+    def worker_urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    def start(self, timeout_s: float = 240) -> "Replicas":
+        try:
+            for s in self.servers:  # NOTE: one at a time: two model loads at once on 2 cores time out
+                s.start()
+            log = open(self.router_log, "w")
+            self.router = subprocess.Popen(self.router_cfg.argv(self.worker_urls), stdout=log,
+                                           stderr=subprocess.STDOUT, start_new_session=True)
+            self._wait_router(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_router(self, timeout_s: float) -> None:
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if self.router.poll() is not None:
+                raise RuntimeError(f"the router exited with {self.router.returncode}; log: {self.router_log}")
+            try:  # NOTE: the router answers /health before it has registered its workers
+                with urllib.request.urlopen(self.url + "/readiness", timeout=10) as r:
+                    if json.loads(r.read()).get("healthy_workers") == len(self.servers):
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"the router is not ready after {timeout_s} s; log: {self.router_log}")
+
+    def stop(self) -> None:
+        stop_group(self.router, timeout_s=20)
+        for s in self.servers:
+            s.stop()
+
+    def supervise(self) -> int:
+        """Run until the router exits or a signal comes; return the exit code (cedar serve's)."""
+        stop = {"signal": None}
+
+        def on_signal(signum, frame):
+            stop["signal"] = signum
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        dead: set[int] = set()
+        try:
+            while stop["signal"] is None and self.router.poll() is None:
+                for i, s in enumerate(self.servers):
+                    if i not in dead and s.proc.poll() is not None:
+                        dead.add(i)
+                        print(f"cedar serve: replica {s.url} exited with {s.proc.returncode} (log {s.log_path}); "
+                              f"the router serves on with {len(self.servers) - len(dead)}", flush=True)
+                if len(dead) == len(self.servers):
+                    print("cedar serve: every replica is gone; stopping the router", flush=True)
+                    return 1
+                time.sleep(1.0)
+            return 0 if stop["signal"] is not None else (self.router.returncode or 1)
+        finally:
+            self.stop()
+
+    def __enter__(self) -> "Replicas":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

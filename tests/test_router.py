@@ -1,0 +1,69 @@
+"""Scale-out through SGLang's own router (``cedar serve --replicas 2``'s machinery on loopback,
+two small replicas): a session's turns keep their prefix hits through the cache-aware router,
+and requests are still served after one replica is stopped."""
+
+import socket
+
+import pytest
+
+from cedar.backend.serving.launch import ServeConfig
+from cedar.backend.serving.process import ServerProcess, free_port
+from cedar.backend.serving.replicas import Replicas, RouterConfig
+
+from server_helpers import generate, prompt
+
+pytestmark = pytest.mark.slow
+
+
+def _free_run(n: int) -> int:
+    """A port p with p ... p + n - 1 all free."""
+    while True:
+        p = free_port()
+        try:
+            for q in range(p, p + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", q))
+            return p
+        except OSError:
+            continue
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_model_dir, tmp_path_factory):
+    base = ServeConfig(model=str(tiny_model_dir), extra=("--sleep-on-idle", "--max-total-tokens", "16384",
+                                                         "--context-length", "4096"))
+    r = Replicas(base, 2, RouterConfig(port=_free_run(3)), log_dir=tmp_path_factory.mktemp("replicas")).start()
+    yield r
+    r.stop()
+
+
+def _router(replicas) -> ServerProcess:
+    """A client of the router (ServerProcess's HTTP helpers; nothing is started)."""
+    return ServerProcess(ServeConfig(model="-", host="127.0.0.1", port=replicas.router_cfg.port))
+
+
+def test_sessions_keep_their_hits_through_the_cache_aware_router(replicas):
+    client = _router(replicas)
+    sessions = [prompt(300, 900 + i) for i in range(5)]  # odd: round robin would move every session
+    kept = [0] * len(sessions)  # what the last turn left in its replica's tree
+    for turn in range(3):
+        for i, ctx in enumerate(sessions):
+            ids, _, meta = generate(client, ctx, n=4)
+            assert meta["cached_tokens"] == kept[i], (turn, i, meta)  # 0 had it gone to the other replica
+            kept[i] = (len(ctx) + len(ids) - 1) // 2 * 2  # prompt and fed outputs, page-aligned
+            sessions[i] = ctx + ids + prompt(40, 1000 + 10 * turn + i)
+    # both replicas took sessions (the router spread them), and the hits above came from the tree
+    assert all(n > 0 for n in replicas_requests(replicas)), replicas_requests(replicas)
+
+
+def replicas_requests(replicas) -> list[int]:
+    return [s.cedar_state()["forward_ms"]["extend"]["forwards"] for s in replicas.servers]
+
+
+def test_a_stopped_replica_leaves_the_router_serving(replicas):
+    client = _router(replicas)
+    replicas.servers[0].stop()
+    for i in range(6):  # new sessions: the router must not send them to the stopped replica
+        ids, _, _ = generate(client, prompt(120, 1100 + i), n=3)
+        assert len(ids) == 3
+    assert replicas.router.poll() is None
