@@ -105,8 +105,7 @@ def _cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
 def _serve_replicas(cfg, args: argparse.Namespace) -> int:
     from .serving.replicas import Replicas, RouterConfig
 
-    key = cfg.extra[cfg.extra.index("--api-key") + 1] if "--api-key" in cfg.extra[:-1] else None
-    router = RouterConfig(host=args.host, port=args.port, policy=args.router_policy, api_key=key)
+    router = RouterConfig(host=args.host, port=args.port, policy=args.router_policy, api_key=cfg.api_key)
     replicas = Replicas(cfg, args.replicas, router)
     print(f"cedar serve: {args.replicas} replicas on ports {args.port + 1}-{args.port + args.replicas} (logs "
           f"/tmp/cedar-replica-PORT.log) behind SGLang's router ({args.router_policy}) on {args.host}:{args.port}",

@@ -11,7 +11,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -52,13 +51,8 @@ def start_server(model_dir: Path, *extra: str, **kw):
 
 def wait_idle_and_check(server, timeout_s: float = 30.0) -> dict:
     """Wait until no request holds a slot, then return the integrity report (asserting it)."""
-    deadline = time.time() + timeout_s
-    while True:
-        state = server.cedar_state()["integrity"]
-        idle = state["request_slots"]["free"] == state["request_slots"]["total"]
-        if (idle and state["tokens_ok"]) or time.time() > deadline:
-            break
-        time.sleep(0.5)
+    state = server.wait_idle(timeout_s)["integrity"]
+    idle = state["request_slots"]["free"] == state["request_slots"]["total"]
     assert state["tokens_ok"], f"token pool integrity broken: {state}"
     assert state["slots_ok"], f"Cedar's slot / snapshot invariants broken: {state['slots_broken']}"
     assert idle, f"request slots leaked: {state}"

@@ -112,8 +112,7 @@ class Sim:
     def __init__(self, model, data):
         self.model, self.data = model, data
         self.h = PagedHarness(model)
-        self.store = SnapshotStore(2 * sum(t[0].numel() * t.element_size()
-                                           for t in self.h.slots.slot_tensors().values()))
+        self.store = SnapshotStore(2 * self.h.slots.bytes_per_slot)
         self.running: dict[str, Running] = {}
         self.cached: list[Cached] = []
         self.n = 0

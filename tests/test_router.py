@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from cedar.backend.serving.launch import ServeConfig
-from cedar.backend.serving.process import ServerProcess, free_port
+from cedar.backend.serving.process import ServerClient, free_port
 from cedar.backend.serving.replicas import Replicas, RouterConfig
 
 from server_helpers import generate, prompt
@@ -37,9 +37,8 @@ def replicas(tiny_model_dir, tmp_path_factory):
     r.stop()
 
 
-def _router(replicas) -> ServerProcess:
-    """A client of the router (ServerProcess's HTTP helpers; nothing is started)."""
-    return ServerProcess(ServeConfig(model="-", host="127.0.0.1", port=replicas.router_cfg.port))
+def _router(replicas) -> ServerClient:
+    return ServerClient(replicas.url)
 
 
 def test_sessions_keep_their_hits_through_the_cache_aware_router(replicas):

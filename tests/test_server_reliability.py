@@ -15,7 +15,7 @@ import pytest
 
 from cedar.backend.serving.launch import ServeConfig
 from cedar.backend.serving.planner import ServingFlags
-from cedar.backend.serving.process import ServerProcess, free_port
+from cedar.backend.serving.process import ServerClient, ServerProcess, free_port
 
 from conftest import start_server, wait_idle_and_check
 from server_helpers import W, assert_matches, generate, prompt, reference
@@ -54,9 +54,8 @@ def test_admission_counts_replay_rows(server, ref):
 
 
 def _status(url, method="GET", body=None, key=None):
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
-                                 headers=headers, method=method)
+                                 headers=ServerClient(url, key).headers(), method=method)
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             return r.status

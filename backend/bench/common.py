@@ -34,6 +34,15 @@ class Sample:
     restored_tokens: int = 0
 
 
+def data_chunks(resp) -> Iterator[dict]:
+    """The parsed ``data:`` lines of a streamed SGLang answer (an http.client response), up to
+    its ``[DONE]``."""
+    for raw in resp:
+        line = raw.decode().strip()
+        if line.startswith("data:") and line[5:].strip() != "[DONE]":
+            yield json.loads(line[5:])
+
+
 def stream_chunks(host: str, port: int, body: bytes, timeout: float = 600) -> Iterator[tuple[float, dict]]:
     """POST a streamed /generate; yield (time.perf_counter() at arrival, chunk) per data line."""
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
@@ -42,11 +51,7 @@ def stream_chunks(host: str, port: int, body: bytes, timeout: float = 600) -> It
         resp = conn.getresponse()
         if resp.status != 200:
             raise RuntimeError(f"/generate returned {resp.status}: {resp.read()[:300]!r}")
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                continue
-            chunk = json.loads(line[5:])
+        for chunk in data_chunks(resp):
             if "error" in chunk:
                 raise RuntimeError(f"/generate streamed an error: {chunk['error']}")
             yield time.perf_counter(), chunk

@@ -40,7 +40,9 @@ def _work_units(trace: list[TraceRequest]) -> list[list[int]]:
 
 def replay_trace(url: str, trace: list[TraceRequest], tokens: TokenMap, page_size: int, concurrency: int = 1,
                  think_cap_s: float = 1.0) -> dict:
-    host, port = url.split("//", 1)[1].split(":")
+    from ..serving.process import ServerClient
+
+    client = ServerClient(url)
     prompts = [tokens.prompt(r) for r in trace]
     theory = theoretical_hits(prompts, page_size)
     units = _work_units(trace)
@@ -58,7 +60,7 @@ def replay_trace(url: str, trace: list[TraceRequest], tokens: TokenMap, page_siz
                 body = json.dumps({"input_ids": prompts[i], "stream": True, "sampling_params": {
                     "max_new_tokens": tokens.output_len(trace[i]), "temperature": 0, "ignore_eos": True}}).encode()
                 t0, first, last = time.perf_counter(), None, None
-                for t, last in stream_chunks(host, int(port), body):
+                for t, last in stream_chunks(client.host, client.port, body):
                     first = t if first is None else first
                 meta = last["meta_info"]
                 results[i] = {"ttft_s": first - t0, "e2e_s": time.perf_counter() - t0,

@@ -120,7 +120,7 @@ class BatchTables:
                              max(r.window_floor, r.seq_len - W, r.decoder_pos) if r.decoder == "tail" else r.seq_len
                              for r in reqs], **long)
         dec = _row_set(keep, seq - keep)
-        tail = torch.tensor([r.decoder == "tail" and r.seq_len - W > r.decoder_pos for r in reqs])
+        cut = torch.tensor([r.decoder == "tail" and r.seq_len - W > r.decoder_pos for r in reqs])
         T, owner, p = enc.batch.num_rows, dec.owner, dec.batch.pos
         own = p >= first[owner]
         dec_src = torch.where(own, enc.cu[:-1][owner] + p - first[owner], T + slot[owner] * W + p % W)
@@ -129,7 +129,7 @@ class BatchTables:
             bad = reqs[int(owner[carried][0])].rid
             raise RuntimeError(f"request {bad}: encoder outputs for its decoder tail are missing")
         kept = enc.batch.pos >= seq[enc.owner] - W  # each request's last W encoder outputs
-        return cls(cfg, slot, seq, prefix, enc, dec, floor, torch.where(tail, keep, floor), dec_src,
+        return cls(cfg, slot, seq, prefix, enc, dec, floor, torch.where(cut, keep, floor), dec_src,
                    torch.where(own, dec_src, -1), torch.nonzero(kept).view(-1),
                    slot[enc.owner][kept] * W + enc.batch.pos[kept] % W,
                    torch.cat([r.token_slots for r in reqs]), torch.cumsum(seq, 0) - seq)

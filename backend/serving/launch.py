@@ -40,6 +40,12 @@ class ServeConfig:
     flags: ServingFlags = field(default_factory=ServingFlags)  # travel in the HF config
     extra: tuple[str, ...] = field(default_factory=tuple)  # further SGLang server flags
 
+    @property
+    def api_key(self) -> str | None:
+        """The value of an ``--api-key`` among the SGLang flags, if any."""
+        extra = list(self.extra)
+        return extra[extra.index("--api-key") + 1] if "--api-key" in extra[:-1] else None
+
     def argv(self) -> list[str]:
         from ..config import CEDConfig
 

@@ -95,7 +95,8 @@ def _snapshot_digest(pools: TokenPools, token_slots: Tensor, hit: int) -> str:
 
 
 def _restorable(flags: ServingFlags, snapshots: SnapshotStore | None, hit: int) -> bool:
-    return bool(hit) and snapshots is not None and flags.snapshots and flags.replay != "off"
+    """Whether a snapshot could continue a hit (NOTE: an empty store skips hashing the prefix)."""
+    return bool(hit) and bool(snapshots) and flags.snapshots and flags.replay != "off"
 
 
 def admission_replay_rows(cfg: CEDConfig, flags: ServingFlags, pools: TokenPools, snapshots: SnapshotStore | None,
@@ -104,10 +105,10 @@ def admission_replay_rows(cfg: CEDConfig, flags: ServingFlags, pools: TokenPools
     its scheduled rows (SGLang's prefill budget charges them): none where a snapshot continues
     it exactly. prefix_slots: (hit,) the token slots the radix tree matched, None if unknown
     (then a snapshot is not assumed)."""
-    if hit and prefix_slots is not None and _restorable(flags, snapshots, hit) \
+    if prefix_slots is not None and _restorable(flags, snapshots, hit) \
             and snapshots.contains(hit, _snapshot_digest(pools, prefix_slots.long(), hit)):
         return 0
-    return replay_rows(flags, cfg, hit) if hit else 0
+    return replay_rows(flags, cfg, hit)
 
 
 def _stale_start(flags: ServingFlags, cfg: CEDConfig, hit: int) -> int:

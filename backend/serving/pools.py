@@ -140,5 +140,10 @@ class RequestSlots:
         return rings + _nbytes(*self.tail_kv.values(), *self.tail_gate.values(), self.enc_out)
 
     @property
+    def bytes_per_slot(self) -> int:
+        """Bytes of one slot's private tensors, tags included (what a snapshot copies)."""
+        return sum(t[0].numel() * t.element_size() for t in self.slot_tensors().values())
+
+    @property
     def window_bytes_per_slot(self) -> int:
         return _nbytes(*self.ring_rows.values(), *self.ring_scales.values()) // self.num_slots

@@ -154,7 +154,8 @@ class CedarForCausalLM(nn.Module):
             return self.logits_processor(input_ids, hidden, self.lm_head, fb)
         req_to_token = get_req_to_token_pool().req_to_token
         self.pools.token_ids[fb.out_cache_loc.long()] = input_ids.int()
-        if fb.forward_mode.is_decode():
+        kind = "decode" if fb.forward_mode.is_decode() else "extend"
+        if kind == "decode":
             prefix = (fb.seq_lens_cpu - 1).tolist()
             ext = [1] * fb.batch_size
         else:
@@ -171,12 +172,12 @@ class CedarForCausalLM(nn.Module):
         keys = PoolKeys(self.cfg, self.model.codec, self.pools, self.slots, plan)
         dec = self.model.run_layers(self.model.embed(plan.input_ids), plan.batch, keys)
         keys.commit()
-        self.stats.record(plan, "decode" if fb.forward_mode.is_decode() else "extend")
+        self.stats.record(plan, kind)
         if dec is not None:
             sched = plan.sched_index[dec.source_row.clamp_min(0)]
             ok = (dec.source_row >= 0) & (sched >= 0)
             hidden[sched[ok]] = self.model.norm(dec.hidden[ok])
         out = self.logits_processor(input_ids, hidden, self.lm_head, fb)
         out.customized_info = self.stats.meta_info(plan, self.slots)
-        self.stats.time_forward("decode" if fb.forward_mode.is_decode() else "extend", time.perf_counter() - t0)
+        self.stats.time_forward(kind, time.perf_counter() - t0)
         return out

@@ -226,10 +226,11 @@ def after_handlers(handlers, self):
         return handlers
 
     def validate(key, value):
-        if value not in (0, 1):
+        problem = switch_problem({key: value})
+        if problem is not None:
             from sglang.srt.managers.scheduler_components.internal_state import UpdateRejected
 
-            raise UpdateRejected(f"{key} must be 0 or 1")
+            raise UpdateRejected(problem)
 
     def apply(key, value):
         model.flags = dataclasses.replace(model.flags, **SWITCHES[key](model.flags, bool(value)))

@@ -92,7 +92,7 @@ class SnapshotStore:
 
     def contains(self, hit: int, digest: str) -> bool:
         """Whether :meth:`restore` at ``hit`` over a prefix of this digest would succeed now."""
-        return (hit, digest) in self._by_key
+        return self.donor(hit, digest) is not None
 
     def donor(self, hit: int, digest: str) -> str | None:
         """The request whose finished state a restore at (hit, digest) would load, if any."""

@@ -22,7 +22,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..bench.common import fresh_ids
+from ..bench.common import data_chunks, fresh_ids
+from ..serving.process import ServerClient
 from .bad_input import TOOLS, BadRequest, has_message
 
 SYSTEM_SEED = 7_000_000  # the system prompt every session shares
@@ -91,13 +92,13 @@ class SentinelRecord:
 
 
 class Load:
-    """Runs the load threads against ``host:port`` until ``stop``; ``gate`` pauses new requests
-    (between phases) and ``inflight`` says how many are still out."""
+    """Runs the load threads against ``client``'s server until ``stop``; ``gate`` pauses new
+    requests (between phases) and ``inflight`` says how many are still out."""
 
-    def __init__(self, host: str, port: int, vocab_size: int, bad: list[BadRequest], cfg: LoadConfig,
-                 seed: int = 0, api_key: str | None = None) -> None:
-        self.host, self.port, self.vocab, self.bad, self.cfg = host, port, vocab_size, bad, cfg
-        self.headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    def __init__(self, client: ServerClient, vocab_size: int, bad: list[BadRequest], cfg: LoadConfig,
+                 seed: int = 0) -> None:
+        self.host, self.port, self.vocab, self.bad, self.cfg = client.host, client.port, vocab_size, bad, cfg
+        self.headers = client.headers()
         self.seed = seed
         self.counts = Counts()
         self.sentinels: list[SentinelRecord] = []
@@ -162,17 +163,31 @@ class Load:
                     return resp.status, json.loads(raw)
                 except json.JSONDecodeError:
                     return resp.status, {"raw": raw}
-            last, n = None, 0
-            for line in resp:
-                line = line.decode().strip()
-                if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                    continue
-                last, n = json.loads(line[5:]), n + 1
+            last = None
+            for n, last in enumerate(data_chunks(resp), 1):
                 if stream_chunks and n >= stream_chunks:
                     return -1, last
             return 200, last
         finally:
             conn.close()
+
+    def _send(self, what: str, path: str, body, chunks: int | None = None, bad: bool = False):
+        """Count one request sent and POST it: (status, answer), or None when it hung or the
+        connection failed (counted against ``what``; a bad input's failure as such)."""
+        self.counts.add(sent=1)
+        try:
+            return self._post(path, body, chunks)
+        except socket.timeout:
+            self._fail(what, "hung", bad, hung=True)
+        except (OSError, http.client.HTTPException) as e:
+            self._fail(what, f"{type(e).__name__}: {e}", bad)
+        return None
+
+    def _fail(self, what: str, why: str, bad: bool = False, hung: bool = False) -> None:
+        if bad:
+            self.counts.add(hung=int(hung), bad_input_failures=[{"name": what, "status": why}])
+        else:
+            self.counts.add(hung=int(hung), lost=int(not hung), lost_details=[f"{what}: {why}"])
 
     def _generate(self, ids: list[int], max_new: int, *, mode: str = "plain", rid: str | None = None,
                   ignore_eos: bool = False, cut_after: int = 1) -> dict | None:
@@ -184,27 +199,22 @@ class Load:
         if mode in ("stream", "disconnect"):
             body["stream"] = True
             chunks = 0 if mode == "stream" else cut_after
-        self.counts.add(sent=1)
-        try:
-            status, out = self._post("/generate", body, chunks)
-        except socket.timeout:
-            self.counts.add(hung=1, lost_details=[f"hung: {mode} request of {len(ids)} tokens"])
+        answer = self._send(f"{mode} request of {len(ids)} tokens", "/generate", body, chunks)
+        if answer is None:
             return None
-        except (OSError, http.client.HTTPException) as e:
-            self.counts.add(lost=1, lost_details=[f"{mode}: {type(e).__name__}: {e}"])
-            return None
+        status, out = answer
         if status == -1:
             self.counts.add(disconnected=1)
             return None
-        finish = ((out or {}).get("meta_info") or {}).get("finish_reason") or {}
         if status != 200 or out is None:
-            self.counts.add(lost=1, lost_details=[f"{mode}: HTTP {status}: {str(out)[:200]}"])
+            self._fail(mode, f"HTTP {status}: {str(out)[:200]}")
             return None
+        finish = (out.get("meta_info") or {}).get("finish_reason") or {}
         if finish.get("type") == "abort":
             if mode == "abort":
                 self.counts.add(aborted=1)
             else:
-                self.counts.add(lost=1, lost_details=[f"{mode}: aborted by the server: {finish}"])
+                self._fail(mode, f"aborted by the server: {finish}")
             return None
         meta = out["meta_info"]
         self.counts.add(finished=1, tokens_in=len(ids), tokens_cached=int(meta.get("cached_tokens") or 0),
@@ -256,19 +266,14 @@ class Load:
         choice = rng.choice(["auto", "required", {"type": "function", "function": {"name": "read_file"}}])
         body = {"model": "cedar", "max_tokens": 48, "temperature": 0, "tools": TOOLS, "tool_choice": choice,
                 "messages": [{"role": "user", "content": f"Read the file notes/{rng.randrange(1000)}.txt"}]}
-        self.counts.add(sent=1)
-        try:
-            status, out = self._post("/v1/chat/completions", body)
-        except socket.timeout:
-            self.counts.add(hung=1, lost_details=["hung: chat"])
+        answer = self._send("chat", "/v1/chat/completions", body)
+        if answer is None:
             return
-        except (OSError, http.client.HTTPException) as e:
-            self.counts.add(lost=1, lost_details=[f"chat: {e}"])
-            return
+        status, out = answer
         if status == 200 and out.get("choices"):
             self.counts.add(finished=1)
         else:
-            self.counts.add(lost=1, lost_details=[f"chat: HTTP {status}: {str(out)[:200]}"])
+            self._fail("chat", f"HTTP {status}: {str(out)[:200]}")
 
     def _bad_input(self, rng: random.Random) -> None:
         i = 0
@@ -278,19 +283,14 @@ class Load:
             if not self._admit():
                 return
             try:
-                self.counts.add(sent=1)
-                try:
-                    status, out = self._post(bad.path, bad.body)
-                except socket.timeout:
-                    self.counts.add(hung=1, bad_input_failures=[{"name": bad.name, "status": "hung"}])
+                answer = self._send(bad.name, bad.path, bad.body, bad=True)
+                if answer is None:
                     continue
-                except (OSError, http.client.HTTPException) as e:
-                    self.counts.add(bad_input_failures=[{"name": bad.name, "status": f"{type(e).__name__}"}])
-                    continue
+                status, out = answer
                 if 400 <= status < 500 and has_message(out):
                     self.counts.add(rejected=1)
                 else:
-                    self.counts.add(bad_input_failures=[{"name": bad.name, "status": status, "body": str(out)[:200]}])
+                    self._fail(bad.name, f"HTTP {status}: {str(out)[:200]}", bad=True)
             finally:
                 self._done()
             time.sleep(self.cfg.bad_every_s * rng.uniform(0.5, 1.5))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -47,26 +46,10 @@ def _server_args(cfg: SoakConfig, model_dir: Path) -> tuple[tuple[str, ...], flo
     ced = CEDConfig.load(model_dir)
     working_set = cfg.load.sessions * cfg.load.max_context
     pool = max(int(working_set * cfg.pool_share), cfg.context + 1024)
-    per_slot = sum(t[0].numel() * t.element_size() for t in RequestSlots(ced, 1).slot_tensors().values())
+    per_slot = RequestSlots(ced, 1).bytes_per_slot
     extra = ("--max-total-tokens", str(pool), "--context-length", str(cfg.context),
              "--chunked-prefill-size", str(cfg.chunk), "--max-running-requests", str(cfg.load.sessions))
     return extra, cfg.snapshots * per_slot / 2**20
-
-
-def _state(url: str, headers: dict) -> dict:
-    req = urllib.request.Request(url + "/get_server_info", headers=headers)
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())["internal_states"][0]["cedar"]
-
-
-def _wait_idle(url: str, headers: dict, timeout_s: float = 120) -> dict:
-    deadline = time.time() + timeout_s
-    while True:
-        state = _state(url, headers)
-        slots = state["integrity"]["request_slots"]
-        if slots["free"] == slots["total"] or time.time() > deadline:
-            return state
-        time.sleep(0.5)
 
 
 def _rss_mb(pid: int | None) -> float | None:
@@ -117,7 +100,7 @@ def run_soak(cfg: SoakConfig, model_dir: Path, out_json: Path, server_url: str |
     from ..model_io import load_model
     from ..serving.launch import ServeConfig
     from ..serving.planner import ServingFlags
-    from ..serving.process import ServerProcess, free_port
+    from ..serving.process import ServerClient, ServerProcess, free_port
     from cedar.kernels.dispatch import KernelSet
 
     ced = CEDConfig.load(model_dir)
@@ -132,9 +115,8 @@ def run_soak(cfg: SoakConfig, model_dir: Path, out_json: Path, server_url: str |
         log(f"[soak] server {server_url} (log {srv.log_path}): {' '.join(extra)} --snapshot-mb {snapshot_mb:.2f}")
     else:
         pid = None
-    host, port = server_url.split("//", 1)[1].split(":")
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
-    load = Load(host, int(port), ced.vocab_size, catalogue(ced.vocab_size, cfg.context), cfg.load, cfg.seed, api_key)
+    client = srv or ServerClient(server_url, api_key)
+    load = Load(client, ced.vocab_size, catalogue(ced.vocab_size, cfg.context), cfg.load, cfg.seed)
     phases, t0 = [], time.time()
     n_phases = max(1, round(cfg.minutes * 60 / cfg.phase_s))
     try:
@@ -142,7 +124,7 @@ def run_soak(cfg: SoakConfig, model_dir: Path, out_json: Path, server_url: str |
         for i in range(n_phases):
             time.sleep(cfg.phase_s)
             drained = load.pause(cfg.load.hang_s + 30)
-            state = _wait_idle(server_url, headers)
+            state = client.wait_idle(120)
             records, load.sentinels = load.sentinels, []
             sentinels = _verify_sentinels(records, ref)
             phase = _phase_report(i, t0, load, state, sentinels, _rss_mb(pid), drained)

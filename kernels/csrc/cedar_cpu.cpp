@@ -114,12 +114,11 @@ inline void dots(const float* q, int64_t H, const float* k, int64_t D, float* ou
 // polynomial: relative error ~2e-7. NOTE: std::exp is a scalar libm call and was most of the
 // window kernel's time; this one vectorizes (exp8: the same operations lane by lane, so a lane
 // and the scalar version agree bit for bit) and is deterministic on every layout.
-inline float exp_neg(float x) {
-  x = std::max(x, -87.0f);
-  const float t = x * 1.44269504088896341f;
-  const float n = float(int(t + (t >= 0.f ? 0.5f : -0.5f)));
-  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  float p = 1.f / 5040.f;
+// e^(x - n ln2) by the Taylor polynomial, for float or v8 (the same operations lane by lane)
+template <class T>
+inline T exp_poly(T x, T n) {
+  const T r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  T p = T{} + 1.f / 5040.f;
   p = p * r + 1.f / 720.f;
   p = p * r + 1.f / 120.f;
   p = p * r + 1.f / 24.f;
@@ -127,6 +126,14 @@ inline float exp_neg(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.f;
   p = p * r + 1.f;
+  return p;
+}
+
+inline float exp_neg(float x) {
+  x = std::max(x, -87.0f);
+  const float t = x * 1.44269504088896341f;
+  const float n = float(int(t + (t >= 0.f ? 0.5f : -0.5f)));
+  const float p = exp_poly(x, n);
   int32_t bits = (int32_t(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
@@ -142,15 +149,7 @@ inline v8 exp8(v8 x) {
   const v8 half = t >= 0.f ? v8{} + 0.5f : v8{} - 0.5f;
   const i8v ni = __builtin_convertvector(t + half, i8v);
   const v8 n = __builtin_convertvector(ni, v8);
-  const v8 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  v8 p = v8{} + 1.f / 5040.f;
-  p = p * r + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
+  const v8 p = exp_poly(x, n);
   const i8v bits = (ni + 127) << 23;
   v8 scale;
   std::memcpy(&scale, &bits, sizeof(scale));
