@@ -85,6 +85,7 @@ class StockServe:
     port: int
     host: str = "127.0.0.1"
     extra: tuple[str, ...] = field(default_factory=tuple)
+    api_key = None  # the benchmark serves without one
 
     def argv(self) -> list[str]:
         return [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model, "--host", self.host,
