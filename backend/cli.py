@@ -7,10 +7,12 @@
   serve-demo  serve the shipped model, send it raw requests (a repeated prefix among them), stop
   soak        a long run of agent load with chaos and bad input, every phase checked (JSON report)
   bench       benchmarks against the real server (``cedar bench hits``: TTFT of prefix-cache hits;
-              ``prefill``: decoder narrowing; ``engine``: Cedar vs stock SGLang, same-dims Llama)
+              ``prefill``: decoder narrowing; ``engine``: Cedar vs stock SGLang, same-dims Llama;
+              ``trace``: trace replay, measured vs theoretical hit rate)
 
 Commands of the layers above (``cedar agent run``, ``cedar demo``) come in through the
-``cedar.commands`` entry point group: each entry is a function that adds its subparsers.
+``cedar.commands`` entry point group: each entry is a function that adds its subparsers;
+``cedar bench agents`` (the agent-load matrix) through ``cedar.bench`` likewise.
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ def _cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
 
     ensure_model(Path(args.model))
     flags = ServingFlags(replay=args.replay, narrow=not args.no_narrow,
-                         replay_per_request=args.replay_per_request, snapshot_mb=args.snapshot_mb)
+                         replay_per_request=args.replay_per_request, snapshot_mb=args.snapshot_mb,
+                         kernels=args.kernels)
     cfg = ServeConfig(model=args.model, host=args.host, port=args.port, flags=flags, extra=tuple(extra))
     if args.replicas > 1:
         return _serve_replicas(cfg, args)
@@ -222,6 +225,7 @@ def _add_bench(sub) -> None:
     s.add_argument("--concurrency", type=int, default=1)
     s.add_argument("--tokens-per-block", type=int, default=4, help="token ids per trace block")
     s.set_defaults(fn=_cmd_bench_trace)
+    _add_plugins(kinds, "cedar.bench")  # `cedar bench agents` (cedar.agents)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -258,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replay in one separate forward per request (upstream's first design; for benchmarks)")
     s.add_argument("--snapshot-mb", type=float, default=64.0,
                    help="memory for exact-continuation snapshots of finished requests' window state (0: off)")
+    s.add_argument("--kernels", choices=["torch", "triton", "fast"], default=None,
+                   help="kernel backend (default: triton on CUDA, the fast C++ kernels on CPU; triton on CPU "
+                        "runs interpreted: slow, for checks)")
     s.add_argument("--replicas", type=int, default=1,
                    help="N > 1: N servers (ports PORT+1...) behind SGLang's router on PORT")
     s.add_argument("--router-policy", default="cache_aware",
@@ -275,11 +282,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _add_plugins(sub) -> None:
-    """Subcommands registered by installed packages (``cedar.commands`` entry points)."""
+def _add_plugins(sub, group: str = "cedar.commands") -> None:
+    """Subcommands registered by installed packages (``cedar.commands`` entry points; benchmarks:
+    ``cedar.bench``)."""
     from importlib.metadata import entry_points
 
-    for ep in entry_points(group="cedar.commands"):
+    for ep in entry_points(group=group):
         ep.load()(sub)
 
 

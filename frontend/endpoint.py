@@ -136,7 +136,12 @@ class CedarEndpoint(RuntimeEndpoint):
             self.ledger.record(text, data["input_ids"])
             self._record_output(text, data["input_ids"], obj)
         self._log(s, obj["meta_info"], carried, continues, time.perf_counter() - t0)
+        self.observe(s, data, obj, t0, time.perf_counter())
         return obj
+
+    def observe(self, s, data: dict, obj: dict, sent_s: float, done_s: float) -> None:
+        """Called with every request sent (``data``, with ``input_ids`` when tokens are carried)
+        and its answer; a hook for recorders (`cedar.agents.record`)."""
 
     def _record_output(self, text: str, prompt_ids: list[int], obj: dict) -> None:
         out_ids = list(obj.get("output_ids") or [])

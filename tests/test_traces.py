@@ -7,7 +7,7 @@ import urllib.request
 
 import pytest
 
-from cedar.backend.bench.trace_replay import _work_units, replay_trace
+from cedar.backend.bench.trace_replay import graph_from_trace, replay_trace
 from cedar.backend.bench.traces import TokenMap, TraceRequest, load_trace, theoretical_hits
 
 MOONCAKE = "/work/shared/data/mooncake_fast25/conversation_trace.jsonl"
@@ -33,14 +33,19 @@ def test_theoretical_hits_are_an_infinite_caches():
 def test_mooncake_trace_loads_and_subagents_join_their_root(tmp_path):
     trace = load_trace(MOONCAKE, limit=50)
     assert len(trace) == 50 and trace[0].block_size == 512 and trace[0].hash_ids[0] == 0
-    assert _work_units(trace) == [[i] for i in range(50)]
+    tm = TokenMap(vocab_size=512)
+    graph = graph_from_trace(trace, tm)
+    assert [(g.unit, g.deps, g.base) for g in graph] == [(i, (), None) for i in range(50)]
+    assert list(graph[7].tail) == tm.prompt(trace[7]) and graph[7].output_len == tm.output_len(trace[7])
     rows = [{"session": "a", "input_length": 600, "output_length": 9, "hash_ids": [1, 2]},
             {"session": "a.sub", "parent": "a", "input_length": 512, "output_length": 9, "hash_ids": [3]},
             {"session": "b", "input_length": 512, "output_length": 9, "hash_ids": [4]},
             {"session": "a", "input_length": 1100, "output_length": 9, "hash_ids": [1, 2, 5]}]
     path = tmp_path / "s.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert _work_units(load_trace(path)) == [[0, 1, 3], [2]]
+    graph = graph_from_trace(load_trace(path), tm)
+    # the subagent follows the parent's request before it; the parent's next one waits for it
+    assert [(g.unit, g.deps) for g in graph] == [(0, ()), (0, (0,)), (1, ()), (0, (0, 1))]
     path.write_text(json.dumps({"session": "a", "hash_ids": [1]}) + "\n")
     with pytest.raises(ValueError, match="input_length"):
         load_trace(path)

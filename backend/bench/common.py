@@ -43,11 +43,12 @@ def data_chunks(resp) -> Iterator[dict]:
             yield json.loads(line[5:])
 
 
-def stream_chunks(host: str, port: int, body: bytes, timeout: float = 600) -> Iterator[tuple[float, dict]]:
+def stream_chunks(host: str, port: int, body: bytes, timeout: float = 600,
+                  headers: dict[str, str] | None = None) -> Iterator[tuple[float, dict]]:
     """POST a streamed /generate; yield (time.perf_counter() at arrival, chunk) per data line."""
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
-        conn.request("POST", "/generate", body, {"Content-Type": "application/json"})
+        conn.request("POST", "/generate", body, {"Content-Type": "application/json", **(headers or {})})
         resp = conn.getresponse()
         if resp.status != 200:
             raise RuntimeError(f"/generate returned {resp.status}: {resp.read()[:300]!r}")

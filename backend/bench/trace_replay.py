@@ -1,92 +1,64 @@
 """``cedar bench trace``: replay a request trace (:mod:`traces`) closed-loop against a server and
 set the measured prefix-hit rate beside the trace's theoretical one.
 
-Closed loop: ``concurrency`` workers; a Mooncake trace's requests are taken in file order (each
-worker sends the next when its last one is answered); a session trace runs each root session on
-one worker, its requests in order, a subagent session run right after the parent request that
-precedes it in the file (joined before the parent's next request), think time kept (capped).
+Closed loop (:mod:`session_graph`): ``concurrency`` users; a Mooncake trace's requests are taken
+in file order (a user sends the next when its last one is answered); a session trace runs each
+root session on one user, its requests in order, a subagent started after the parent request that
+precedes it in the file and joined before the parent's next request, think time kept (capped).
 At concurrency 1 the server sees the trace's own order, so with a pool that holds the working
-set the measured rate must equal the theoretical one (the prompt of a request is in the tree
-once it is answered).
+set the measured rate must equal the theoretical one (:mod:`load_metrics`).
 """
 
 from __future__ import annotations
 
 import json
-import statistics
-import threading
-import time
 from pathlib import Path
 
-from .common import machine_info, stream_chunks
-from .traces import TokenMap, TraceRequest, load_trace, theoretical_hits
+from .common import machine_info
+from .load_metrics import run_metrics
+from .session_graph import GraphRequest, replay_graph
+from .traces import TokenMap, TraceRequest, load_trace
 
 
-def _work_units(trace: list[TraceRequest]) -> list[list[int]]:
-    """Indices of the trace grouped into what one worker runs in order: a Mooncake request alone,
-    or a root session with its subagents' requests spliced in after the parent request that
-    precedes them."""
+def graph_from_trace(trace: list[TraceRequest], tokens: TokenMap) -> list[GraphRequest]:
+    """The trace as a request graph: a Mooncake request is a unit of its own; a session trace's
+    unit is a root session with its subagents. A session's requests follow one another; a
+    subagent's first request follows the parent request before it in the file, and the parent's
+    next request waits for the subagent's last one (subagents of one parent request run side by
+    side). Prompts are the mapped blocks in full (the root session's marker is in them)."""
     if all(r.session is None for r in trace):
-        return [[i] for i in range(len(trace))]
-    units: dict[str, list[int]] = {}
+        return [GraphRequest(i, tuple(tokens.prompt(r)), tokens.output_len(r), think_s=r.think_s)
+                for i, r in enumerate(trace)]
     root_of: dict[str, str] = {}
+    last: dict[str, int] = {}  # session -> its latest request
+    joins: dict[str, list[str]] = {}  # session -> subagents started since its latest request
+    units: dict[str, int] = {}
+    out: list[GraphRequest] = []
     for i, r in enumerate(trace):
         if r.session is None:
             raise ValueError(f"request {i}: a session trace needs a session on every request")
+        new_session = r.session not in root_of
         root = root_of.setdefault(r.session, root_of.get(r.parent, r.parent) if r.parent else r.session)
-        units.setdefault(root, []).append(i)
-    return list(units.values())
+        deps = []
+        if r.session in last:
+            deps.append(last[r.session])
+        elif r.parent is not None:
+            if r.parent not in last:
+                raise ValueError(f"request {i}: subagent {r.session!r} before any request of its parent {r.parent!r}")
+            deps.append(last[r.parent])
+        if new_session and r.parent is not None:
+            joins.setdefault(r.parent, []).append(r.session)
+        deps += [last[sub] for sub in joins.pop(r.session, []) if sub != r.session]
+        out.append(GraphRequest(units.setdefault(root, len(units)), tuple(tokens.prompt(r, root)), tokens.output_len(r),
+                                deps=tuple(sorted(set(deps))), think_s=r.think_s))
+        last[r.session] = i
+    return out
 
 
 def replay_trace(url: str, trace: list[TraceRequest], tokens: TokenMap, page_size: int, concurrency: int = 1,
                  think_cap_s: float = 1.0) -> dict:
-    from ..serving.process import ServerClient
-
-    client = ServerClient(url)
-    prompts = [tokens.prompt(r) for r in trace]
-    theory = theoretical_hits(prompts, page_size)
-    units = _work_units(trace)
-    results: dict[int, dict] = {}
-    lock, next_unit = threading.Lock(), [0]
-
-    def worker() -> None:
-        while True:
-            with lock:
-                if next_unit[0] >= len(units):
-                    return
-                unit, next_unit[0] = units[next_unit[0]], next_unit[0] + 1
-            for i in unit:
-                time.sleep(min(trace[i].think_s, think_cap_s))
-                body = json.dumps({"input_ids": prompts[i], "stream": True, "sampling_params": {
-                    "max_new_tokens": tokens.output_len(trace[i]), "temperature": 0, "ignore_eos": True}}).encode()
-                t0, first, last = time.perf_counter(), None, None
-                for t, last in stream_chunks(client.host, client.port, body):
-                    first = t if first is None else first
-                meta = last["meta_info"]
-                results[i] = {"ttft_s": first - t0, "e2e_s": time.perf_counter() - t0,
-                              "cached": int(meta["cached_tokens"]), "replayed": int(meta.get("replayed_tokens") or 0),
-                              "restored": int(meta.get("restored_tokens") or 0), "out": len(last["output_ids"])}
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    rows = [results[i] for i in range(len(trace))]
-    total_in = sum(len(p) for p in prompts)
-    cached = sum(r["cached"] for r in rows)
-    ttft = sorted(r["ttft_s"] for r in rows)
-    return {
-        "requests": len(trace), "concurrency": concurrency, "wall_s": round(wall, 2),
-        "input_tokens": total_in, "theoretical_hit_rate": sum(theory) / total_in, "measured_hit_rate": cached / total_in,
-        "requests_off_theory": sum(r["cached"] != h for r, h in zip(rows, theory)),
-        "replayed_tokens": sum(r["replayed"] for r in rows), "restored_tokens": sum(r["restored"] for r in rows),
-        "uncached_tokens": total_in - cached,
-        "ttft_ms_p50": round(1e3 * statistics.median(ttft), 2), "ttft_ms_p90": round(1e3 * ttft[int(0.9 * (len(ttft) - 1))], 2),
-        "output_tok_s": round(sum(r["out"] for r in rows) / wall, 2),
-    }
+    answered, wall = replay_graph(url, graph_from_trace(trace, tokens), concurrency, think_cap_s=think_cap_s)
+    return {"concurrency": concurrency, **run_metrics(answered, wall, page_size)}
 
 
 def run_trace_benchmark(model_dir: Path, trace_path: Path, out_json: Path, limit: int | None, concurrency: int,

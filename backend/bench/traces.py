@@ -10,7 +10,8 @@ Two formats:
   "hash_ids": [...], "block_size": b, "think_s": s}``. A session's requests come in file order;
   a session with a ``parent`` is a subagent, run as a child joined before the parent's next
   request. Each session's prompts start with a per-session marker, so two sessions never share
-  cache by accident (as AgentX does); blocks shared inside a session are shared tokens.
+  cache by accident (as AgentX does); blocks shared inside a session (and with its subagents, which
+take the root session's marker) are shared tokens.
 
 Every block maps deterministically to ``tokens_per_block`` token ids drawn from its hash (a
 partial last block to its share of them, at least one), so equal hashes give equal tokens and a
@@ -82,9 +83,11 @@ class TokenMap:
         rng = random.Random(f"{self.seed}:session:{session}")
         return [rng.randrange(FIRST_ID, self.vocab_size) for _ in range(self.marker_tokens)]
 
-    def prompt(self, req: TraceRequest) -> list[int]:
-        """The request's token ids: its session's marker, then each block's tokens."""
-        ids = self.marker(req.session) if req.session is not None else []
+    def prompt(self, req: TraceRequest, root: str | None = None) -> list[int]:
+        """The request's token ids: the marker of its root session (``root``, default its own
+        session: a subagent shares its parent's marker, so it can share the parent's system
+        prompt), then each block's tokens."""
+        ids = self.marker(root or req.session) if req.session is not None else []
         for i, h in enumerate(req.hash_ids):
             rest = req.input_length - i * req.block_size
             ids += self.block(h, min(1.0, rest / req.block_size) if rest > 0 else 1.0 / req.block_size)
@@ -94,7 +97,7 @@ class TokenMap:
         return max(1, round(req.output_length * self.tokens_per_block / req.block_size))
 
 
-class _Trie:
+class PrefixTrie:
     def __init__(self) -> None:
         self.root: dict = {}
 
@@ -114,7 +117,7 @@ class _Trie:
 
 def theoretical_hits(prompts: list[list[int]], page_size: int) -> list[int]:
     """Per prompt (in arrival order), the tokens an infinite prefix cache serves."""
-    trie, out = _Trie(), []
+    trie, out = PrefixTrie(), []
     for ids in prompts:
         hit = min(trie.match(ids), len(ids) - 1)
         out.append(max(hit, 0) // page_size * page_size)

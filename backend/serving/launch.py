@@ -39,6 +39,7 @@ class ServeConfig:
     port: int = 30000
     flags: ServingFlags = field(default_factory=ServingFlags)  # travel in the HF config
     extra: tuple[str, ...] = field(default_factory=tuple)  # further SGLang server flags
+    threads: int | None = None  # CPU threads of the server's torch (OMP_NUM_THREADS); None: torch's default
 
     @property
     def api_key(self) -> str | None:
@@ -68,6 +69,10 @@ class ServeConfig:
         env.update(CEDAR_SGLANG_PLUGIN="1", SGLANG_EXTERNAL_MODEL_PACKAGE="cedar.backend.sglang_models")
         if not _has_cuda():
             env["SGLANG_USE_CPU_ENGINE"] = "1"
+        if self.flags.kernels == "triton" and not _has_cuda():
+            env.setdefault("TRITON_INTERPRET", "1")  # NOTE: Triton runs on CPU only interpreted
+        if self.threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.threads)
         return env
 
 

@@ -43,10 +43,15 @@ class ServingFlags:
     replay_per_request: bool = False
     snapshot_mb: float = 64.0  # exact-continuation snapshots budget (0: none)
     snapshots: bool = True  # restore/save snapshots (a runtime switch; the budget stays allocated)
+    kernels: str | None = None  # the kernel backend (cedar.kernels.dispatch); None: the device's default
 
     def __post_init__(self) -> None:
+        from cedar.kernels.dispatch import BACKENDS
+
         if self.replay not in REPLAY_MODES:
             raise ValueError(f"replay mode must be one of {REPLAY_MODES}, got {self.replay!r}")
+        if self.kernels is not None and self.kernels not in BACKENDS:
+            raise ValueError(f"kernel backend must be one of {BACKENDS}, got {self.kernels!r}")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ around it). The same as two commands::
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -58,11 +59,16 @@ class Replicas:
         if n < 1:
             raise ValueError(f"--replicas must be at least 1, got {n}")
         self.router_cfg, self.log_dir = router, Path(log_dir)
-        self.servers = [ServerProcess(replace(base, host="127.0.0.1", port=router.port + 1 + i),
+        # NOTE: N servers on one machine each start as many OpenMP threads as it has cores; busy
+        # at once they thrash (measured: 16 concurrent requests over 2 replicas on 2 cores took 25x
+        # longer than on one server); each gets its share of the cores unless told otherwise
+        threads = base.threads or max(1, (os.cpu_count() or 1) // n)
+        self.servers = [ServerProcess(replace(base, host="127.0.0.1", port=router.port + 1 + i, threads=threads),
                                       log_path=self.log_dir / f"cedar-replica-{router.port + 1 + i}.log")
                         for i in range(n)]
         self.router: subprocess.Popen | None = None
         self.router_log = self.log_dir / f"cedar-router-{router.port}.log"
+        self.more_routers: list[subprocess.Popen] = []
 
     @property
     def url(self) -> str:
@@ -76,30 +82,39 @@ class Replicas:
         try:
             for s in self.servers:  # NOTE: one at a time: two model loads at once on 2 cores time out
                 s.start()
-            log = open(self.router_log, "w")
-            self.router = subprocess.Popen(self.router_cfg.argv(self.worker_urls), stdout=log,
-                                           stderr=subprocess.STDOUT, start_new_session=True)
-            self._wait_router(timeout_s)
+            self.router = self._start_router(self.router_cfg, self.router_log, timeout_s)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _wait_router(self, timeout_s: float) -> None:
-        deadline = time.time() + timeout_s
+    def add_router(self, policy: str, timeout_s: float = 120) -> str:
+        """A second router over the same replicas with another policy (to compare policies on
+        one set of servers); its URL. Stopped with the rest."""
+        cfg = replace(self.router_cfg, port=free_port(), policy=policy, prometheus_port=None)
+        self.more_routers.append(self._start_router(cfg, self.log_dir / f"cedar-router-{cfg.port}.log", timeout_s))
+        return f"http://{cfg.host}:{cfg.port}"
+
+    def _start_router(self, cfg: RouterConfig, log_path: Path, timeout_s: float) -> subprocess.Popen:
+        proc = subprocess.Popen(cfg.argv(self.worker_urls), stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        deadline, url = time.time() + timeout_s, f"http://{cfg.host}:{cfg.port}"
         while time.time() < deadline:
-            if self.router.poll() is not None:
-                raise RuntimeError(f"the router exited with {self.router.returncode}; log: {self.router_log}")
+            if proc.poll() is not None:
+                raise RuntimeError(f"the router exited with {proc.returncode}; log: {log_path}")
             try:  # NOTE: the router answers /health before it has registered its workers
-                with urllib.request.urlopen(self.url + "/readiness", timeout=10) as r:
+                with urllib.request.urlopen(url + "/readiness", timeout=10) as r:
                     if json.loads(r.read()).get("healthy_workers") == len(self.servers):
-                        return
+                        return proc
             except OSError:
                 pass
             time.sleep(0.5)
-        raise TimeoutError(f"the router is not ready after {timeout_s} s; log: {self.router_log}")
+        stop_group(proc)
+        raise TimeoutError(f"the router is not ready after {timeout_s} s; log: {log_path}")
 
     def stop(self) -> None:
+        for proc in self.more_routers:
+            stop_group(proc, timeout_s=20)
         stop_group(self.router, timeout_s=20)
         for s in self.servers:
             s.stop()

@@ -56,7 +56,7 @@ class CedarForCausalLM(nn.Module):
         self.config = config
         self.cfg = ced_config_of(config)
         self.flags = flags_from_config(config)
-        kernels = KernelSet.for_device("cpu")
+        kernels = KernelSet.for_device("cpu", self.flags.kernels)
         if kernels.backend == "fast":
             cpu_ext.available()  # NOTE: load (or build) the C++ kernels now, not in the first request
         self.model = CEDModel(self.cfg, kernels=kernels, quantize=True)
