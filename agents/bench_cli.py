@@ -23,7 +23,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from cedar.backend.bench.agent_load import BASELINE, MODES, Matrix, Workload, headline, run_matrix, run_scale_out
+from cedar.backend.bench.agent_load import (BASELINE, MODES, Matrix, Workload, headline, markdown_table, run_matrix,
+                                            run_scale_out)
 
 AGENTX_LIKE = "agentx-like"
 # NOTE: why this floor: see FLOOR_WHY; it is a flag, and the report names it
@@ -36,23 +37,31 @@ SENSITIVITY_FLOORS = (5.0, 10.0, 20.0)
 
 
 def _workloads(args, url: str, cfg) -> list[Workload]:
-    from cedar.backend.bench.agentx_like import AgentShape, write_agentx_like
+    """The workloads ``--workloads`` names, in that order."""
+    build = {"agents": _agents_workload, "trace": _trace_workload}
+    return [build[name](args, url, cfg) for name in args.workloads]
+
+
+def _agents_workload(args, url: str, cfg) -> Workload:
     from cedar.backend.bench.session_graph import load_graph, replicate, save_graph
-    from cedar.backend.bench.trace_replay import graph_from_trace
-    from cedar.backend.bench.traces import TokenMap, load_trace
 
     from .record import record_agents
 
-    if "agents" not in args.workloads:
-        recorded, names = [], None
-    elif args.sessions and Path(args.sessions).exists():
+    if args.sessions and Path(args.sessions).exists():
         recorded, names = load_graph(Path(args.sessions)), f"recorded earlier: {args.sessions}"
     else:
         recorded, names = record_agents(url, args.agents)
         if args.sessions:
             save_graph(recorded, Path(args.sessions))
-    agents = Workload("agents", replicate(recorded, args.copies, seed=args.seed), marked=True,
-                      about={"agents": names, "copies": args.copies, "recorded_units": len({r.unit for r in recorded})})
+    return Workload("agents", replicate(recorded, args.copies, seed=args.seed), marked=True,
+                    about={"agents": names, "copies": args.copies, "recorded_units": len({r.unit for r in recorded})})
+
+
+def _trace_workload(args, url: str, cfg) -> Workload:
+    from cedar.backend.bench.agentx_like import AgentShape, write_agentx_like
+    from cedar.backend.bench.trace_replay import graph_from_trace
+    from cedar.backend.bench.traces import TokenMap, load_trace
+
     if args.trace == AGENTX_LIKE:
         shape = AgentShape(sessions=3, turns_median=4, turns_max=6) if args.quick else AgentShape()
         path = write_agentx_like(Path(tempfile.mkdtemp(prefix="cedar-agentx-")) / "trace.jsonl", shape, args.seed)
@@ -61,20 +70,8 @@ def _workloads(args, url: str, cfg) -> list[Workload]:
         path, about = Path(args.trace), {"trace": str(args.trace)}
     trace = load_trace(path, args.trace_limit)
     tokens = TokenMap(cfg.vocab_size, args.tokens_per_block)
-    traced = Workload("trace", graph_from_trace(trace, tokens), marked=False,
-                      about={**about, "limit": args.trace_limit, "tokens_per_block": args.tokens_per_block})
-    return [agents, traced]
-
-
-def _print_table(rows: list[dict]) -> None:
-    head = (f"{'workload':<8} {'mode':<19} {'C':>2} {'TTFT p50':>9} {'p90':>8} {'out tok/s':>9} {'tot tok/s':>9} "
-            f"{'P90 int':>8} {'hit':>6} {'theory':>6} {'replayed':>8} {'restored':>8}")
-    print(head)
-    for r in rows:
-        print(f"{r['workload']:<8} {r.get('mode', r.get('setup')):<19} {r['concurrency']:>2} {r['ttft_ms_p50']:>9.1f} "
-              f"{r['ttft_ms_p90']:>8.1f} {r['output_tok_s']:>9.1f} {r['total_tok_s']:>9.0f} "
-              f"{r['interactivity_p90']:>8.2f} {r['measured_hit_rate']:>6.1%} {r['theoretical_hit_rate']:>6.1%} "
-              f"{r['replayed_tokens']:>8} {r['restored_tokens']:>8}")
+    return Workload("trace", graph_from_trace(trace, tokens), marked=False,
+                    about={**about, "limit": args.trace_limit, "tokens_per_block": args.tokens_per_block})
 
 
 def run_agents_benchmark(args) -> dict:
@@ -167,9 +164,9 @@ def _cmd_bench_agents(args: argparse.Namespace) -> int:
         args.modes = [m for m in args.modes if m in ("shipped", BASELINE)]
     report = run_agents_benchmark(args)
     if report["table"]:
-        _print_table(report["table"])
+        print(markdown_table(report["table"]))
     if report["scale_out"]:
-        _print_table(report["scale_out"]["table"])
+        print(markdown_table(report["scale_out"]["table"], "setup"))
     for w, modes in report["headline"].items():
         print(f"[bench agents] {w}: output tok/s at {args.floor} tok/s/user: " + ", ".join(
             f"{m} {v['output_tok_s_at_floor']} ({v['x_baseline']}x)" for m, v in modes.items()))

@@ -101,7 +101,9 @@ def _server(args):
     """A running server (--server URL) or `cedar serve` on --model for the block; yields an
     object with `.url` and `.post(path, payload)`."""
     if args.server:
-        yield RemoteServer(args.server.rstrip("/"))
+        from cedar.backend.serving.process import ServerClient
+
+        yield ServerClient(args.server)
         return
     with serve(args.model) as srv:
         yield srv
@@ -112,18 +114,6 @@ def _model_info(url: str) -> dict:
 
     with urllib.request.urlopen(url + "/get_model_info", timeout=60) as r:
         return json.loads(r.read())
-
-
-class RemoteServer:
-    """An already running server, with `ServerProcess`'s `.url` / `.post` (nothing to start)."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-
-    def post(self, path, payload, timeout=300):
-        from cedar.backend.serving.process import ServerProcess
-
-        return ServerProcess.post(self, path, payload, timeout)
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:

@@ -59,11 +59,7 @@ class Server:
         self._ok(self.srv.post("/set_internal_state", {"server_args": {**MODES[name], "cedar_snapshots": int(snapshots)}}))
 
     def flush(self) -> None:
-        import urllib.request
-
-        with urllib.request.urlopen(self.srv.url + "/flush_cache", timeout=60) as r:  # a text answer
-            if r.status != 200:
-                raise RuntimeError(f"/flush_cache answered {r.status}")
+        self.srv.flush_cache()
 
     def generate(self, ids: list[int], new: int, **extra) -> dict:
         return self._ok(self.srv.post("/generate", {"input_ids": ids, "sampling_params": {

@@ -11,6 +11,7 @@ earlier one left.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -47,7 +48,7 @@ class Workload:
 class Matrix:
     concurrencies: tuple[int, ...] = (1, 2, 4, 8)
     modes: tuple[str, ...] = tuple(MODES)
-    think_cap_s: float = 0.5
+    think_cap_s: float = 0.25
 
     def __post_init__(self) -> None:
         unknown = set(self.modes) - set(MODES)
@@ -63,30 +64,6 @@ def set_mode(srv, mode: str) -> None:
         set_switch(srv, key, bool(on))
 
 
-def flush(clients) -> None:
-    """Empty each server's prefix cache (SGLang's /flush_cache answers in text; it refuses while
-    requests run, so wait for idle first)."""
-    import urllib.request
-
-    for c in clients:
-        c.wait_idle(60)
-        req = urllib.request.Request(c.url + "/flush_cache", data=b"", headers=c.headers())
-        with urllib.request.urlopen(req, timeout=60) as r:
-            if r.status != 200:
-                raise RuntimeError(f"{c.url}/flush_cache: {r.status} {r.read()[:200]!r}")
-
-
-class RunCounter:
-    """Fresh marker seeds, one per run."""
-
-    def __init__(self) -> None:
-        self.n = 0
-
-    def next(self) -> int:
-        self.n += 1
-        return self.n
-
-
 def one_run(url: str, workload: Workload, concurrency: int, page_size: int, vocab_size: int, seed: int,
             think_cap_s: float, on_answer: Callable | None = None) -> dict:
     unit_markers = markers(workload.graph, page_size, vocab_size, seed) if workload.marked else None
@@ -99,15 +76,15 @@ def run_matrix(servers: dict[str, object], workloads: list[Workload], matrix: Ma
                on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """``servers``: "cedar" (switchable) and BASELINE, each a ServerClient. One row per
     (workload, concurrency, mode); ``on_row`` gets the rows so far after each run (a checkpoint)."""
-    rows, runs = [], RunCounter()
+    rows, seeds = [], itertools.count(1)  # fresh marker seeds, one per run
     for w in workloads:
         for c in matrix.concurrencies:
             for mode in matrix.modes:
                 srv = servers[BASELINE if MODES[mode] is None else "cedar"]
-                flush([srv])
+                srv.flush_cache()
                 if MODES[mode] is not None:
                     set_mode(srv, mode)
-                row = one_run(srv.url, w, c, page_size, vocab_size, runs.next(), matrix.think_cap_s, progress)
+                row = one_run(srv.url, w, c, page_size, vocab_size, next(seeds), matrix.think_cap_s, progress)
                 rows.append({"mode": mode, **row})
                 if on_row is not None:
                     on_row(rows)
@@ -126,7 +103,8 @@ def run_scale_out(single, replicas, round_robin_url: str, workload: Workload, co
     for c in concurrencies:
         for setup, url, flushed in (("one server", single.url, [single]), ("cache_aware", replicas.url, workers),
                                     ("round_robin", round_robin_url, workers)):
-            flush(flushed)
+            for server in flushed:
+                server.flush_cache()
             row = one_run(url, workload, c, page_size, vocab_size, 1000 + c, think_cap_s, progress)
             rows.append({"setup": setup, "replicas": 1 if setup == "one server" else len(workers), **row})
     return rows

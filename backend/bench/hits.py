@@ -20,7 +20,6 @@ scheduler used for each group is read off the server log's ``Prefill batch`` lin
 
 from __future__ import annotations
 
-import http.client
 import os
 import re
 import threading
@@ -92,14 +91,7 @@ class HitsRun:
 
     def flush(self) -> None:
         """Empty the radix cache (waits up to 60 s for the server to go idle)."""
-        conn = http.client.HTTPConnection(self.srv.cfg.host, self.srv.cfg.port, timeout=120)
-        try:
-            conn.request("POST", "/flush_cache?timeout=60")
-            resp = conn.getresponse()
-            if resp.status != 200:
-                raise RuntimeError(f"/flush_cache failed: {resp.read()!r}")
-        finally:
-            conn.close()
+        self.srv.flush_cache()
 
     def set_per_request(self, on: bool) -> None:
         set_switch(self.srv, REPLAY_SWITCH, on)

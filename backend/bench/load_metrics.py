@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from .session_graph import Answered
-from .traces import PrefixTrie
+from .traces import PrefixTrie, served_hit
 
 
 def theoretical_hits(answered: list[Answered], page_size: int) -> list[int]:
@@ -30,7 +30,7 @@ def theoretical_hits(answered: list[Answered], page_size: int) -> list[int]:
             f = finished[k]
             trie.insert(f.prompt + f.output[:-1])
             k += 1
-        hits[a.index] = max(0, min(trie.match(a.prompt), len(a.prompt) - 1)) // page_size * page_size
+        hits[a.index] = served_hit(trie, a.prompt, page_size)
     return hits
 
 

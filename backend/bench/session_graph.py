@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from .common import FIRST_ID, stream_chunks
+from .common import stream_chunks
+from .traces import TokenMap
 
 
 @dataclass(frozen=True)
@@ -123,12 +124,9 @@ def replicate(reqs: list[GraphRequest], copies: int, seed: int = 0) -> list[Grap
 
 
 def markers(reqs: list[GraphRequest], length: int, vocab_size: int, seed: int) -> dict[int, list[int]]:
-    """A ``length``-token marker per unit, drawn from (seed, unit)."""
-    out = {}
-    for u in sorted({r.unit for r in reqs}):
-        rng = random.Random(f"{seed}:unit:{u}")
-        out[u] = [rng.randrange(FIRST_ID, vocab_size) for _ in range(length)]
-    return out
+    """A ``length``-token marker per unit, drawn from (seed, unit) as a trace session's is."""
+    tokens = TokenMap(vocab_size, marker_tokens=length, seed=seed)
+    return {u: tokens.marker(f"unit {u}") for u in sorted({r.unit for r in reqs})}
 
 
 def replay_graph(url: str, reqs: list[GraphRequest], concurrency: int, unit_markers: dict[int, list[int]] | None = None,
@@ -143,6 +141,7 @@ def replay_graph(url: str, reqs: list[GraphRequest], concurrency: int, unit_mark
     for i, r in enumerate(reqs):
         units.setdefault(r.unit, []).append(i)
     queue = list(units.values())
+    prompt_len = prompt_lengths(reqs)
     answered: dict[int, Answered] = {}
     done = {i: threading.Event() for i in range(len(reqs))}
     lock, errors = threading.Lock(), []
@@ -179,8 +178,6 @@ def replay_graph(url: str, reqs: list[GraphRequest], concurrency: int, unit_mark
             errors.append(f"request {i}: {e}")
         finally:
             done[i].set()
-
-    prompt_len = prompt_lengths(reqs)
 
     def user() -> None:
         while not errors:

@@ -48,7 +48,7 @@ def graph_from_trace(trace: list[TraceRequest], tokens: TokenMap) -> list[GraphR
             deps.append(last[r.parent])
         if new_session and r.parent is not None:
             joins.setdefault(r.parent, []).append(r.session)
-        deps += [last[sub] for sub in joins.pop(r.session, []) if sub != r.session]
+        deps += [last[sub] for sub in joins.pop(r.session, [])]
         out.append(GraphRequest(units.setdefault(root, len(units)), tuple(tokens.prompt(r, root)), tokens.output_len(r),
                                 deps=tuple(sorted(set(deps))), think_s=r.think_s))
         last[r.session] = i

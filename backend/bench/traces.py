@@ -115,11 +115,16 @@ class PrefixTrie:
         return n
 
 
+def served_hit(trie: PrefixTrie, ids: list[int], page_size: int) -> int:
+    """The prefix of ``ids`` a radix cache holding ``trie`` serves: page-aligned, at most
+    ``len - 1`` (SGLang always computes the last prompt token)."""
+    return max(0, min(trie.match(ids), len(ids) - 1)) // page_size * page_size
+
+
 def theoretical_hits(prompts: list[list[int]], page_size: int) -> list[int]:
     """Per prompt (in arrival order), the tokens an infinite prefix cache serves."""
     trie, out = PrefixTrie(), []
     for ids in prompts:
-        hit = min(trie.match(ids), len(ids) - 1)
-        out.append(max(hit, 0) // page_size * page_size)
+        out.append(served_hit(trie, ids, page_size))
         trie.insert(ids)
     return out

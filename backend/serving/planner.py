@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from cedar.kernels.dispatch import BACKENDS
+
 from ..config import CEDConfig
 from ..rows import RowBatch
 from .pools import RequestSlots, TokenPools
@@ -46,8 +48,6 @@ class ServingFlags:
     kernels: str | None = None  # the kernel backend (cedar.kernels.dispatch); None: the device's default
 
     def __post_init__(self) -> None:
-        from cedar.kernels.dispatch import BACKENDS
-
         if self.replay not in REPLAY_MODES:
             raise ValueError(f"replay mode must be one of {REPLAY_MODES}, got {self.replay!r}")
         if self.kernels is not None and self.kernels not in BACKENDS:

@@ -62,6 +62,14 @@ class ServerClient:
             except json.JSONDecodeError:
                 return e.code, {"raw": body.decode(errors="replace")}
 
+    def flush_cache(self, timeout_s: int = 60) -> None:
+        """Empty the server's prefix cache; SGLang waits up to ``timeout_s`` for running requests
+        to finish first (it answers in text, not JSON)."""
+        req = urllib.request.Request(f"{self.url}/flush_cache?timeout={timeout_s}", data=b"", headers=self.headers())
+        with urllib.request.urlopen(req, timeout=timeout_s + 60) as r:
+            if r.status != 200:
+                raise RuntimeError(f"{self.url}/flush_cache answered {r.status}: {r.read()[:200]!r}")
+
     def cedar_state(self) -> dict:
         req = urllib.request.Request(self.url + "/get_server_info", headers=self.headers())
         with urllib.request.urlopen(req, timeout=120) as r:

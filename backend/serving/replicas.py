@@ -96,8 +96,9 @@ class Replicas:
         return f"http://{cfg.host}:{cfg.port}"
 
     def _start_router(self, cfg: RouterConfig, log_path: Path, timeout_s: float) -> subprocess.Popen:
-        proc = subprocess.Popen(cfg.argv(self.worker_urls), stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        with open(log_path, "w") as log:  # NOTE: the child keeps its own copy of the descriptor
+            proc = subprocess.Popen(cfg.argv(self.worker_urls), stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
         deadline, url = time.time() + timeout_s, f"http://{cfg.host}:{cfg.port}"
         while time.time() < deadline:
             if proc.poll() is not None:
