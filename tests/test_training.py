@@ -149,3 +149,31 @@ def test_cedar_train_writes_a_model_folder_and_resumes(tmp_path):
     assert summary["steps"] == 4 and summary["command"].startswith("cedar train --out")
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)  # resumes at step 4: nothing left
     assert again.returncode == 0 and json.loads((tmp_path / "loss_curve.json").read_text())["train"] == curve["train"]
+
+
+def test_bf16_training_lowers_the_loss_and_tracks_f32(small_corpus, tmp_path):
+    arrays, cfg = small_corpus
+    base = dict(steps=12, batch=2, seq_len=256, warmup=2, lr=3e-3, checkpoint_every=100, eval_every=100)
+    torch.set_num_threads(2)
+    _, f32 = train(cfg, arrays, None, TrainConfig(**base), tmp_path / "f32", progress=False)
+    _, bf16 = train(cfg, arrays, None, TrainConfig(**base, bf16=True), tmp_path / "bf16", progress=False)
+    a, b = [p["loss"] for p in f32["train"]], [p["loss"] for p in bf16["train"]]
+    assert np.mean(b[-3:]) < np.mean(b[:3]) - 0.3, b
+    assert a != b  # the matmuls did run in bfloat16
+    assert abs(a[0] - b[0]) < 0.05 and abs(np.mean(a[-3:]) - np.mean(b[-3:])) < 0.25, (a, b)
+
+
+def test_a_warm_start_begins_from_the_given_weights(small_corpus, tmp_path):
+    from cedar.backend.model_io import save_model
+
+    arrays, cfg = small_corpus
+    warm = random_model(cfg, 11)
+    (tmp_path / "warm").mkdir()
+    save_model(warm, tmp_path / "warm")
+    tc = TrainConfig(steps=1, batch=1, seq_len=256, warmup=1, lr=0.0, min_lr=0.0, checkpoint_every=100,
+                     eval_every=100, init=str(tmp_path / "warm"))
+    model, curve = train(cfg, arrays, None, tc, tmp_path / "run", progress=False)
+    for (name, p), q in zip(model.state_dict().items(), warm.state_dict().values()):
+        assert torch.equal(p, q.float()), name
+    cold, _ = train(cfg, arrays, None, TrainConfig(**{**tc.__dict__, "init": ""}), tmp_path / "cold", progress=False)
+    assert not torch.equal(cold.embed_tokens.weight, model.embed_tokens.weight)

@@ -45,6 +45,8 @@ class TrainConfig:
     checkpoint_every: int = 50
     eval_every: int = 100
     seed: int = 0
+    bf16: bool = False  # matmuls under CPU autocast to bfloat16 (weights, optimizer and loss stay f32)
+    init: str = ""  # warm start: an HF model folder whose weights replace the random init
 
 
 def init_model(cfg: CEDConfig, seed: int) -> CEDModel:
@@ -128,7 +130,9 @@ def token_losses(logits: torch.Tensor, ids: torch.Tensor, doc: torch.Tensor) -> 
 
 def loss_of(forward: DenseForward, ids, doc, weight, plan: Plan, tc: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted next-token loss (and the plain mean over real tokens, for reporting)."""
-    logits, aux = forward.run(ids, doc, plan)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=tc.bf16):
+        logits, aux = forward.run(ids, doc, plan)
+    logits = logits.float()
     ce, valid = token_losses(logits, ids, doc)
     w = torch.where(weight[:, 1:] > 0, 1.0, tc.context_weight) * valid
     total = (ce * w).sum() / w.sum().clamp_min(1) + tc.aux_weight * aux
@@ -167,6 +171,11 @@ def train(cfg: CEDConfig, arrays: dict, heldout: dict | None, tc: TrainConfig, o
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(tc.seed)
     model = init_model(cfg, tc.seed)
+    if tc.init:
+        from cedar.backend.model_io import load_model
+
+        # NOTE: strict: a folder of another geometry fails here, naming the mismatched tensors
+        model.load_state_dict(load_model(Path(tc.init), quantize=False).state_dict())
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     rest = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
