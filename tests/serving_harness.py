@@ -23,11 +23,11 @@ class Req:
 
 
 class Harness:
-    def __init__(self, model, flags=ServingFlags(), num_slots=8192, num_reqs=8, max_len=4096):
+    def __init__(self, model, flags=ServingFlags(), num_slots=8192, num_reqs=8, max_len=4096, device="cpu"):
         self.model, self.cfg, self.flags = model, model.cfg, flags
-        self.pools = TokenPools(self.cfg, num_slots)
-        self.slots = RequestSlots(self.cfg, num_reqs)
-        self.req_to_token = torch.zeros(num_reqs, max_len, dtype=torch.int32)
+        self.pools = TokenPools(self.cfg, num_slots, device)
+        self.slots = RequestSlots(self.cfg, num_reqs, device)
+        self.req_to_token = torch.zeros(num_reqs, max_len, dtype=torch.int32, device=device)
         self.next_slot = self.cfg.page_size  # page 0 is padding, as in SGLang
 
     def alloc(self, req: Req, n: int) -> list[int]:

@@ -22,10 +22,10 @@ def _ids(n, seed):
     return torch.randint(8, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _serve(model):
+def _serve(model, device="cpu"):
     """Cold prompt a (200 tokens), then b: a hit on a's first 160 tokens + 24 new (bounded replay
     of W rows), then 3 greedy decode steps of b; every forward's last-row logits."""
-    h = Harness(model)
+    h = Harness(model, device=device)
     a_prompt = _ids(200, 1)
     a = h.admit("a", 0, a_prompt)
     out, _ = h.step([(a, len(a_prompt))])
@@ -41,7 +41,7 @@ def _serve(model):
         b.ids.append(tokens[-1])
         out, _ = h.step([(b, 1)])
         logits.append(out["b"][-1])
-    return torch.stack(logits), tokens
+    return torch.stack(logits).cpu(), tokens
 
 
 def test_served_path_on_triton_equals_twins():
@@ -77,3 +77,14 @@ def test_server_on_triton_kernels_equals_the_twins(tiny_model_dir):
         wait_idle_and_check(srv)
     finally:
         srv.stop()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the native GPU served path needs one")
+def test_served_path_on_the_gpu_equals_the_cpu_twins():
+    """The served path with model and pools on the GPU (native Triton kernels) gives the CPU
+    twins' greedy tokens and logits within the served tolerance."""
+    twins = random_model(CFG, seed=5).eval().use_kernels(KernelSet("torch"))
+    gpu = random_model(CFG, seed=5).eval().to("cuda").use_kernels(KernelSet.for_device("cuda"))
+    (lt, tt), (lg, tg) = _serve(twins), _serve(gpu, device="cuda")
+    assert tg == tt, (tg, tt)
+    assert (lt - lg).abs().max().item() <= ATOL

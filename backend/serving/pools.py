@@ -12,6 +12,8 @@ request slot (SPEC section 2).
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 
 import torch
@@ -40,19 +42,19 @@ class SourceRows:
 class TokenPools:
     """Per token slot state, sized by SGLang's token pool (``num_slots`` slots)."""
 
-    def __init__(self, cfg: CEDConfig, num_slots: int) -> None:
+    def __init__(self, cfg: CEDConfig, num_slots: int, device: torch.device | str = "cpu") -> None:
         D, Di = cfg.kv_latent_dim, cfg.index_head_dim
-        self.num_slots = num_slots
+        self.num_slots, self.device = num_slots, torch.device(device)
+        z = functools.partial(torch.zeros, dtype=torch.uint8, device=self.device)
         self.sources: dict[int, SourceRows] = {}
         for s in cfg.kv_source_layer_ids:
             r = cfg.compress_ratios[s]
             n = -(-num_slots // r)
             self.sources[s] = SourceRows(
-                r, torch.zeros(n, code_cols(GLOBAL_ROW, D), dtype=torch.uint8),
-                torch.zeros(n, scale_cols(GLOBAL_ROW, D), dtype=torch.uint8),
-                torch.zeros(n, code_cols(INDEX_ROW, Di), dtype=torch.uint8),
-                torch.zeros(n, scale_cols(INDEX_ROW, Di), dtype=torch.uint8))
-        self.token_ids = torch.zeros(num_slots, dtype=torch.int32)  # token that filled each slot
+                r, z(n, code_cols(GLOBAL_ROW, D)), z(n, scale_cols(GLOBAL_ROW, D)),
+                z(n, code_cols(INDEX_ROW, Di)), z(n, scale_cols(INDEX_ROW, Di)))
+        # the token that filled each slot
+        self.token_ids = torch.zeros(num_slots, dtype=torch.int32, device=self.device)
 
     @property
     def nbytes(self) -> int:
@@ -81,6 +83,7 @@ class RequestSlots:
 
     cfg: CEDConfig
     num_slots: int
+    device: torch.device | str = "cpu"  # where every tensor below lives (the model's device)
     ring_rows: dict[int, Tensor] = field(init=False)  # layer -> (slots, S_l, D) uint8 FP8
     ring_scales: dict[int, Tensor] = field(init=False)  # layer -> (slots, S_l, D/32) uint8 E8M0
     ring_pos: dict[int, Tensor] = field(init=False)  # layer -> (slots, S_l) int64, -1 = empty
@@ -93,21 +96,22 @@ class RequestSlots:
 
     def __post_init__(self) -> None:
         cfg, n, D, W = self.cfg, self.num_slots, self.cfg.kv_latent_dim, self.cfg.sliding_window
+        self.device = dev = torch.device(self.device)
         self.ring_rows, self.ring_scales, self.ring_pos = {}, {}, {}
         for layer in range(cfg.num_hidden_layers):
             S = ring_size(cfg, layer)
-            self.ring_rows[layer] = torch.zeros(n, S, code_cols(WINDOW_ROW, D), dtype=torch.uint8)
-            self.ring_scales[layer] = torch.zeros(n, S, scale_cols(WINDOW_ROW, D), dtype=torch.uint8)
-            self.ring_pos[layer] = torch.full((n, S), -1, dtype=torch.long)
+            self.ring_rows[layer] = torch.zeros(n, S, code_cols(WINDOW_ROW, D), dtype=torch.uint8, device=dev)
+            self.ring_scales[layer] = torch.zeros(n, S, scale_cols(WINDOW_ROW, D), dtype=torch.uint8, device=dev)
+            self.ring_pos[layer] = torch.full((n, S), -1, dtype=torch.long, device=dev)
         self.tail_kv, self.tail_gate, self.tail_len = {}, {}, {}
         for s in cfg.kv_source_layer_ids:
             r = cfg.compress_ratios[s]
             if r > 1:
-                self.tail_kv[s] = torch.zeros(n, r - 1, D)
-                self.tail_gate[s] = torch.zeros(n, r - 1, D)
-                self.tail_len[s] = torch.zeros(n, dtype=torch.long)
-        self.enc_out = torch.zeros(n, W, cfg.hidden_size)
-        self.enc_pos = torch.full((n, W), -1, dtype=torch.long)
+                self.tail_kv[s] = torch.zeros(n, r - 1, D, device=dev)
+                self.tail_gate[s] = torch.zeros(n, r - 1, D, device=dev)
+                self.tail_len[s] = torch.zeros(n, dtype=torch.long, device=dev)
+        self.enc_out = torch.zeros(n, W, cfg.hidden_size, device=dev)
+        self.enc_pos = torch.full((n, W), -1, dtype=torch.long, device=dev)
         self.owners = [SlotOwner() for _ in range(n)]
 
     def reset(self, slot: int, rid: str, start: int) -> None:

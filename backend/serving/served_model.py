@@ -56,7 +56,9 @@ class CedarForCausalLM(nn.Module):
         self.config = config
         self.cfg = ced_config_of(config)
         self.flags = flags_from_config(config)
-        kernels = KernelSet.for_device("cpu", self.flags.kernels)
+        # NOTE: SGLang builds the model under ``with torch.device(...)``: pools and kernels follow it
+        self.device = torch.empty(0).device
+        kernels = KernelSet.for_device(self.device.type, self.flags.kernels)
         if kernels.backend == "fast":
             cpu_ext.available()  # NOTE: load (or build) the C++ kernels now, not in the first request
         self.model = CEDModel(self.cfg, kernels=kernels, quantize=True)
@@ -89,8 +91,8 @@ class CedarForCausalLM(nn.Module):
         if page_size % self.cfg.page_size:
             raise ValueError(f"SGLang page size {page_size} is not a multiple of the model's "
                              f"{self.cfg.page_size} (serve with --page-size {self.cfg.page_size})")
-        self.pools = TokenPools(self.cfg, num_token_slots)
-        self.slots = RequestSlots(self.cfg, num_request_slots)
+        self.pools = TokenPools(self.cfg, num_token_slots, self.device)
+        self.slots = RequestSlots(self.cfg, num_request_slots, self.device)
         self.snapshots = SnapshotStore(int(self.flags.snapshot_mb * 2**20)) if self.flags.snapshot_mb > 0 else None
         figures = self.memory_figures()
         logger.info("cedar pools: %s", json.dumps(figures))
