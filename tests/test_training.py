@@ -177,3 +177,41 @@ def test_a_warm_start_begins_from_the_given_weights(small_corpus, tmp_path):
         assert torch.equal(p, q.float()), name
     cold, _ = train(cfg, arrays, None, TrainConfig(**{**tc.__dict__, "init": ""}), tmp_path / "cold", progress=False)
     assert not torch.equal(cold.embed_tokens.weight, model.embed_tokens.weight)
+
+
+def test_copy_rows_repeat_random_strings_and_train_only_the_repeats():
+    from cedar.backend.training.trainer import UNTRAINED, copy_row
+
+    tc = TrainConfig(copy_share=0.5)
+    ids, doc, w = copy_row(tc, 7, 512)
+    assert torch.equal(ids, copy_row(tc, 7, 512)[0]) and not torch.equal(ids, copy_row(tc, 8, 512)[0])
+    docs = sorted(set(doc.tolist()) - {-1})
+    assert len(docs) >= 3
+    for d in docs:
+        at = (doc == d).nonzero()[:, 0]
+        assert int(at[0]) % 2 == 0
+        x, wd = ids[at], w[at]
+        n = int((wd == UNTRAINED).sum())  # the first statement
+        assert 8 <= n <= 48 and bool((wd[:n] == UNTRAINED).all()) and bool((wd[n:] == 1).all())
+        assert len(x) % n == 0 and torch.equal(x, x[:n].repeat(len(x) // n))
+        assert int(x.min()) >= 8 and int(x.max()) < 2046
+
+
+def test_untrained_tokens_carry_no_loss(small_corpus):
+    from cedar.backend.training.trainer import UNTRAINED, loss_of
+
+    _, cfg = small_corpus
+    fwd = DenseForward(random_model(cfg, 2))
+    ids = torch.randint(8, 500, (1, 256), generator=torch.Generator().manual_seed(1))
+    doc = torch.zeros(1, 256, dtype=torch.long)
+    w = torch.ones(1, 256, dtype=torch.uint8)
+    tc = TrainConfig(aux_weight=0.0)
+    with torch.no_grad():
+        full, _ = loss_of(fwd, ids, doc, w, Plan(), tc)
+        w2 = w.clone()
+        w2[0, 128:] = UNTRAINED
+        half, plain = loss_of(fwd, ids, doc, w2, Plan(), tc)
+        changed = ids.clone()
+        changed[0, 129:] = 9  # the untrained targets' values do not matter
+        same, _ = loss_of(fwd, changed, doc, w2, Plan(), tc)
+    assert not torch.isclose(full, half) and torch.isclose(half, same)

@@ -71,7 +71,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     cfg = cedar_agent(VOCAB, bos=ids["<|bos|>"], eos=tuple(generation_eos_token_ids(model_dir)), pad=ids["<|pad|>"])
     tc = TrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
                      warmup=args.warmup if args.warmup is not None else min(50, max(1, args.steps // 10)), checkpoint_every=args.checkpoint_every,
-                     eval_every=args.eval_every, bf16=args.bf16, init=args.init or "")
+                     eval_every=args.eval_every, bf16=args.bf16, init=args.init or "",
+                     copy_share=args.copy_share)
     if args.export:  # the latest checkpoint as a model folder, no training
         from cedar.backend.training.trainer import CHECKPOINT, init_model
 
@@ -110,6 +111,8 @@ def register(sub) -> None:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--bf16", action="store_true", help="matmuls in bfloat16 under CPU autocast (about 2x on AVX512-BF16/AMX)")
     p.add_argument("--init", help="warm start from this model folder (its weights and tokenizer)")
+    p.add_argument("--copy-share", type=float, default=0.0,
+                   help="chance that a step's last row is synthetic copying (repeated random strings)")
     p.add_argument("--warmup", type=int, help="warm-up steps (default: min(50, steps / 10))")
     p.add_argument("--export", action="store_true", help="only write the latest checkpoint to DIR/model")
     p.set_defaults(fn=_cmd_train)

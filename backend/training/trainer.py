@@ -26,6 +26,7 @@ from cedar.backend.model import CEDModel
 from .dense import DenseForward, Plan
 
 CHECKPOINT = "checkpoint.pt"
+UNTRAINED = 2  # token weight: the token is input only (a copy row's first statement)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class TrainConfig:
     seed: int = 0
     bf16: bool = False  # matmuls under CPU autocast to bfloat16 (weights, optimizer and loss stay f32)
     init: str = ""  # warm start: an HF model folder whose weights replace the random init
+    copy_share: float = 0.0  # chance that a step's last row is synthetic copying (see copy_row)
+    copy_vocab: tuple[int, int] = (8, 2046)  # token ids copy rows draw from (no special tokens)
 
 
 def init_model(cfg: CEDConfig, seed: int) -> CEDModel:
@@ -106,6 +109,32 @@ def make_batch(arrays: dict, rows: list[list[tuple[int, int]]], which: list[int]
     return ids, doc, w
 
 
+def copy_row(tc: TrainConfig, step: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A row of synthetic copying documents, a function of (seed, step): each is a random token
+    string of 8-48 ids from ``tc.copy_vocab`` said 2-4 times; the repeats carry the loss (weight
+    1), the first statement none. Predicting a repeat takes attending to the earlier statement
+    by content (an induction head), the skill agent tasks need to copy names, keys and values
+    from a request or a tool result and that the agent corpus alone is slow to teach. The first
+    statement is random, so it is input only (weight UNTRAINED).
+    -> ids (T,) int64, doc (T,) int64 (-1 = pad), weight (T,) uint8."""
+    rng = random.Random(f"{tc.seed}:copy:{step}")
+    ids = torch.zeros(seq_len, dtype=torch.long)
+    doc = torch.full((seq_len,), -1, dtype=torch.long)
+    w = torch.zeros(seq_len, dtype=torch.uint8)
+    at, d = 0, 0
+    while True:
+        s = [rng.randrange(*tc.copy_vocab) for _ in range(rng.randint(8, 48))]
+        k = rng.randint(2, 4)
+        n = len(s) * k
+        if at + n > seq_len:
+            return ids, doc, w
+        ids[at:at + n] = torch.tensor(s * k)
+        doc[at:at + n] = d
+        w[at:at + len(s)] = UNTRAINED
+        w[at + len(s):at + n] = 1
+        at, d = at + n + n % 2, d + 1
+
+
 def step_plan(tc: TrainConfig, step: int, seq_len: int, W: int) -> Plan:
     rng = random.Random(f"{tc.seed}:plan:{step}")
     dense = step < tc.dense_share * tc.steps
@@ -129,11 +158,13 @@ def token_losses(logits: torch.Tensor, ids: torch.Tensor, doc: torch.Tensor) -> 
 
 
 def loss_of(forward: DenseForward, ids, doc, weight, plan: Plan, tc: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weighted next-token loss (and the plain mean over real tokens, for reporting)."""
+    """Weighted next-token loss (and the plain mean over real tokens, for reporting). ``weight``:
+    1 = assistant token, 0 = context (``tc.context_weight``), UNTRAINED = no loss at all."""
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=tc.bf16):
         logits, aux = forward.run(ids, doc, plan)
     logits = logits.float()
     ce, valid = token_losses(logits, ids, doc)
+    valid = valid & (weight[:, 1:] != UNTRAINED)
     w = torch.where(weight[:, 1:] > 0, 1.0, tc.context_weight) * valid
     total = (ce * w).sum() / w.sum().clamp_min(1) + tc.aux_weight * aux
     return total, ((ce * valid).sum() / valid.sum().clamp_min(1)).detach()
@@ -205,6 +236,8 @@ def train(cfg: CEDConfig, arrays: dict, heldout: dict | None, tc: TrainConfig, o
         for g in opt.param_groups:
             g["lr"] = lr_at(tc, step)
         ids, doc, w = make_batch(arrays, rows, perm[step * tc.batch:(step + 1) * tc.batch], tc.seq_len, cfg.pad_token_id)
+        if tc.copy_share and random.Random(f"{tc.seed}:copy-step:{step}").random() < tc.copy_share:
+            ids[-1], doc[-1], w[-1] = copy_row(tc, step, tc.seq_len)
         plan = step_plan(tc, step, tc.seq_len, cfg.sliding_window)
         loss, plain = loss_of(fwd, ids, doc, w, plan, tc)
         opt.zero_grad(set_to_none=True)
