@@ -33,6 +33,26 @@ def gold_recall_distances(model_dir: Path, n: int) -> dict:
     return {"n": len(d), "min": d[0], "max": d[-1], "median": d[len(d) // 2], "over": sum(x > 512 for x in d)}
 
 
+def stages(tr: dict) -> list[dict]:
+    """The training runs behind a model, oldest first (each warm start names the run before it)."""
+    chain = []
+    while tr:
+        chain.append(tr)
+        tr = tr.get("warm_start")
+    return chain[::-1]
+
+
+def stages_table(chain: list[dict]) -> str:
+    rows = ["| stage | command | steps | tokens seen | minutes | held-out loss (all / assistant) |",
+            "|---|---|---|---|---|---|"]
+    for i, st in enumerate(chain, 1):
+        h = st.get("heldout") or {}
+        rows.append(f"| {i} | `{st['command']}` | {st['steps']} | {st['tokens_seen']:,} | {st['train_seconds'] / 60:.0f} | "
+                    f"{h.get('loss', float('nan')):.3f} / {h.get('assistant_loss', float('nan')):.3f} |")
+    notes = [f"- Stage {i}: {st['note']}" for i, st in enumerate(chain, 1) if st.get("note")]
+    return "\n".join(rows + ([""] + notes if notes else []))
+
+
 def main(model_dir: str, eval_json: str, fidelity_json: str) -> None:
     model_dir = Path(model_dir)
     tr = json.loads((model_dir / "training.json").read_text())
@@ -49,10 +69,21 @@ def main(model_dir: str, eval_json: str, fidelity_json: str) -> None:
                           for label, per in task_modes.items())
     task_modes_text = ("Task success with and without hits (held-out ReAct / recall tasks):\n\n| served as | success |\n"
                        "|---|---|\n" + mode_rows) if task_modes else (
-        "Task success with and without hits was not measured for this model: it solves no held-out task "
-        "(figures in `models/cedar-agent/README.md`), so the comparison would read 0% against 0%; "
-        "`cedar fidelity --tasks N` runs it.")
+        "Task success with and without hits was not measured for this model: `cedar fidelity --tasks N` runs "
+        "held-out ReAct and recall tasks, which it does not solve yet (0/10 each, figures in "
+        "`models/cedar-agent/README.md`), so the comparison would read 0% against 0%.")
     gold = gold_recall_distances(model_dir, recall.get("tasks", 10))
+    chain = stages(tr)
+    total_tokens = sum(st["tokens_seen"] for st in chain)
+    total_minutes = sum(st["train_seconds"] for st in chain) / 60
+    solved = sum(v["ok"] for v in tasks.values())
+    summary_text = (
+        f"**It has learned the agent formats and the choice of tool, not yet the copying of values.** "
+        f"Trained on {total_tokens / 1e6:.1f}M tokens in {len(chain)} warm-started stages, it writes well-formed thoughts and "
+        f"tool calls in the served markup ({pct(u['valid_share'])} of its calls *without* any constraint parse and "
+        f"validate) and mostly names the right tool, but numbers, keys and names it must copy from the request "
+        f"or a tool result come out wrong, so it solves {solved} of {sum(v['tasks'] for v in tasks.values())} held-out "
+        f"tasks (Figures). It does not answer open questions at all.")
     card = f"""---
 license: other  # the Cedar repository's terms; training text: generated, plus Python stdlib source (PSF-2.0)
 library_name: cedar
@@ -69,13 +100,7 @@ Reindex, Reuse; hidden {cfg['hidden_size']}, {cfg['num_attention_heads']} heads 
 Cedar's own agents. Served by `cedar serve` (SGLang 0.5.23 with Cedar's FP4 global / FP8 window
 pools); the default model of `cedar serve`, `cedar agent run` and `make demo`.
 
-**It has learned the agent formats, not yet the tasks.** Trained on {tr['tokens_seen'] / 1e6:.1f}M tokens (half an
-epoch of its corpus, in the time one session allowed), it writes well-formed thoughts and tool calls
-in the served markup ({pct(u['valid_share'])} of its calls *without* any constraint parse and validate) and its
-held-out loss is low, but the content is not right yet: teacher-forced, its top-1 next token on
-held-out assistant turns is right 74-86% of the time (three held-out sessions), and the misses are the copied values (a
-tool's name matching the request, a key, a number), so greedy sessions go wrong and it solves
-none of the held-out tasks (Figures). It does not answer open questions at all.
+{summary_text}
 
 ## Training
 
@@ -92,20 +117,25 @@ none of the held-out tasks (Figures). It does not answer open questions at all.
 - **Tokenizer**: byte-level BPE, {cfg['vocab_size']} tokens trained on the corpus, `<tool_call>` and
   `</tool_call>` as single (non-special) tokens; 3.9 bytes/token on the corpus; `model_max_length`
   = {cfg['max_position_embeddings']}.
-- **Run**: `{tr['command']}` ({tr['steps']} steps of 4 packed rows x 1,536 tokens,
-  {tr['tokens_seen']:,} tokens seen, AdamW, cosine LR 2e-3 -> 1e-4, {tr['train_seconds'] / 60:.0f} minutes on 2 CPU cores).
+- **Runs** ({total_tokens / 1e6:.1f}M tokens in all, {total_minutes:.0f} minutes on 2 CPU cores), each warm-started from
+  the one before it (`--init`); the last stage mixes in synthetic copying rows (`--copy-share 0.5`:
+  half the steps replace one of the 4 rows by random strings said 2-4 times) and runs the matmuls
+  in bfloat16 (`--bf16`, about 2x on this CPU):
+
+{stages_table(chain)}
+
   The batched training forward (`cedar.backend.training.dense`) computes the served model's maths
   (checked against the reference to 2e-5). 35% of steps simulate an encoder-side prefix hit with
   bounded replay (rows after the hit see only the last W replayed tokens and the cached global KV)
   and a narrowed prompt end; 25% narrowing only. The indexer learns by distillation from the
-  attention over all visible entries.
-- Loss curve: `loss_curve.png` / `loss_curve.json` in this folder.
-- How this run went, honestly: it was started for 650 steps and shortened while running, to 560
-  at step 40 and to 440 at step 120 (the checkpoint's schedule edited; warm-up 50 -> 44 steps at
-  the second edit), to fit the session. Data order and per-step replay plans depend only on (seed,
-  step), so the command above from scratch takes the same batches with a slightly different
-  learning-rate path. The wall time includes about 10 minutes during which a server shared the
-  2 cores; on a quiet machine a step takes 4.4-5 s.
+  attention over all visible entries. Data order and per-step replay plans depend only on (seed,
+  step). Stage 1 was started for 650 steps and shortened while running (to 560 at step 40, to 440
+  at step 120; the checkpoint's schedule edited) to fit its session; stage 2's `--init
+  models/cedar-agent` is stage 1's model (the one shipped before). Stage 1 trained on the corpus at
+  `--scale 0.5` (5.5M tokens), stages 2-3 at `--scale 1.0` (the count above; the same seed, so the same
+  tokenizer and held-out split). Stage 3's wall time includes a few minutes of other jobs on the cores.
+- Loss curve of the last stage: `loss_curve.png` / `loss_curve.json` in this folder (its training loss
+  counts the copying rows' repeats, near chance, hence the noise; the held-out points are agent sessions only).
 
 ## Figures
 
@@ -136,9 +166,10 @@ Next-token distributions after a hit, through the served path, against exact rep
 
 ## Limits
 
-- Undertrained: {tr['tokens_seen'] / 1e6:.1f}M tokens seen of a {tr['corpus_tokens'] / 1e6:.1f}M-token corpus. The training loop runs at
-  about 1.3k tokens/s on 2 cores (the matmuls alone bound it near 4k); the next run needs several
-  times the tokens, or a faster training path, before the task figures move off zero.
+- Undertrained: {total_tokens / 1e6:.1f}M tokens seen in all. It picks the right tool far more often than it
+  copies the right value: numbers, keys and names from the request or a tool result are where it
+  fails. Synthetic copying rows did not teach it to copy in this run (greedy accuracy on a
+  repeated random string stayed at chance); content-based copying is the missing skill.
 - Outside the generated task families its text is fluent-looking nonsense; the coding tasks are
   one-line bugs in tiny modules; the facts are made-up names.
 - Recall relies on the compressed sparse attention (top-{cfg['index_topk']} of the global entries); it is not

@@ -91,6 +91,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
                "final_train_loss": float(np.mean([p["loss"] for p in curve["train"][-20:]])),
                "heldout": curve["heldout"][-1] if curve["heldout"] else None,
                "corpus_tokens": int(len(arrays["ids"])), "heldout_tokens": int(len(held["ids"]))}
+    if args.init:  # the run this one continued, with its own summary (and so on down the chain)
+        earlier = Path(args.init) / "training.json"
+        summary["warm_start"] = {"from": args.init, **(json.loads(earlier.read_text()) if earlier.is_file() else {})}
     (model_dir / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"[train] done in {time.time() - t:.0f} s: {json.dumps(summary)}")
     return 0
