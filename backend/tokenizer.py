@@ -38,6 +38,7 @@ ROLE_MARKERS = {
 SPECIAL_TOKENS = (BOS, EOS, PAD, *ROLE_MARKERS.values(), END)
 
 MODEL_MAX_LENGTH = 8192
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")  # what build_tokenizer writes
 # NOTE: the tool-call markup of `chat_template` (TOOL_CALL_BEGIN / END) as whole tokens
 MARKUP_TOKENS = ("<tool_call>", "</tool_call>")
 

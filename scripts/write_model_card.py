@@ -117,10 +117,8 @@ pools); the default model of `cedar serve`, `cedar agent run` and `make demo`.
 - **Tokenizer**: byte-level BPE, {cfg['vocab_size']} tokens trained on the corpus, `<tool_call>` and
   `</tool_call>` as single (non-special) tokens; 3.9 bytes/token on the corpus; `model_max_length`
   = {cfg['max_position_embeddings']}.
-- **Runs** ({total_tokens / 1e6:.1f}M tokens in all, {total_minutes:.0f} minutes on 2 CPU cores), each warm-started from
-  the one before it (`--init`); the last stage mixes in synthetic copying rows (`--copy-share 0.5`:
-  half the steps replace one of the 4 rows by random strings said 2-4 times) and runs the matmuls
-  in bfloat16 (`--bf16`, about 2x on this CPU):
+- **Runs** ({total_tokens / 1e6:.1f}M tokens in all, {total_minutes:.0f} minutes on 2 CPU cores), each warm-started
+  from the one before it (`--init`):
 
 {stages_table(chain)}
 
@@ -129,11 +127,7 @@ pools); the default model of `cedar serve`, `cedar agent run` and `make demo`.
   bounded replay (rows after the hit see only the last W replayed tokens and the cached global KV)
   and a narrowed prompt end; 25% narrowing only. The indexer learns by distillation from the
   attention over all visible entries. Data order and per-step replay plans depend only on (seed,
-  step). Stage 1 was started for 650 steps and shortened while running (to 560 at step 40, to 440
-  at step 120; the checkpoint's schedule edited) to fit its session; stage 2's `--init
-  models/cedar-agent` is stage 1's model (the one shipped before). Stage 1 trained on the corpus at
-  `--scale 0.5` (5.5M tokens), stages 2-3 at `--scale 1.0` (the count above; the same seed, so the same
-  tokenizer and held-out split). Stage 3's wall time includes a few minutes of other jobs on the cores.
+  step).
 - Loss curve of the last stage: `loss_curve.png` / `loss_curve.json` in this folder (its training loss
   counts the copying rows' repeats, near chance, hence the noise; the held-out points are agent sessions only).
 

@@ -14,13 +14,12 @@ from safetensors.torch import save_file
 
 from cedar.backend.tokenizer import (
     SPECIAL_TOKENS,
+    TOKENIZER_FILES,
     build_tokenizer,
     generation_eos_token_ids,
     special_token_ids,
 )
 from cedar.backend.weights import WEIGHTS_FILE, WeightsError, load_weights, save_weights
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 @pytest.fixture(scope="module")

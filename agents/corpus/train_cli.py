@@ -19,7 +19,7 @@ import torch
 
 from cedar.backend.geometries import cedar_agent
 from cedar.backend.model_io import save_model
-from cedar.backend.tokenizer import build_tokenizer, generation_eos_token_ids, special_token_ids
+from cedar.backend.tokenizer import TOKENIZER_FILES, build_tokenizer, generation_eos_token_ids, special_token_ids
 from cedar.backend.training.trainer import TrainConfig, train
 
 from .build import build_corpus, load_sessions, run_scripted, save_corpus, tokenize_corpus
@@ -62,17 +62,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
         import shutil
 
         (out / "model").mkdir(parents=True, exist_ok=True)
-        for f in Path(args.init).iterdir():
-            if f.name.startswith(("tokenizer", "special_tokens")) and not (out / "model" / f.name).exists():
-                shutil.copy(f, out / "model" / f.name)
+        for name in TOKENIZER_FILES:
+            if not (out / "model" / name).exists():
+                shutil.copy(Path(args.init) / name, out / "model" / name)
     arrays, held = prepare(out, args.seed, args.scale)
     model_dir = out / "model"
     ids = special_token_ids(model_dir)
     cfg = cedar_agent(VOCAB, bos=ids["<|bos|>"], eos=tuple(generation_eos_token_ids(model_dir)), pad=ids["<|pad|>"])
+    warmup = args.warmup if args.warmup is not None else min(50, max(1, args.steps // 10))
     tc = TrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
-                     warmup=args.warmup if args.warmup is not None else min(50, max(1, args.steps // 10)), checkpoint_every=args.checkpoint_every,
-                     eval_every=args.eval_every, bf16=args.bf16, init=args.init or "",
-                     copy_share=args.copy_share)
+                     warmup=warmup, checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
+                     bf16=args.bf16, init=args.init or "", copy_share=args.copy_share)
     if args.export:  # the latest checkpoint as a model folder, no training
         from cedar.backend.training.trainer import CHECKPOINT, init_model
 
@@ -112,7 +112,8 @@ def register(sub) -> None:
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--bf16", action="store_true", help="matmuls in bfloat16 under CPU autocast (about 2x on AVX512-BF16/AMX)")
+    p.add_argument("--bf16", action="store_true",
+                   help="matmuls in bfloat16 under CPU autocast (about 2x on AVX512-BF16/AMX)")
     p.add_argument("--init", help="warm start from this model folder (its weights and tokenizer)")
     p.add_argument("--copy-share", type=float, default=0.0,
                    help="chance that a step's last row is synthetic copying (repeated random strings)")

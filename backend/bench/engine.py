@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..tokenizer import TOKENIZER_FILES
 from .common import fresh_ids, machine_info, save_report, stream_body, stream_chunks, stream_generate
 
 ENGINE_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--dtype", "float32",
@@ -68,7 +69,7 @@ def write_llama_twin(model_dir: Path, out: Path) -> dict:
     torch.manual_seed(0)
     model = LlamaForCausalLM(llama)
     model.save_pretrained(out, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+    for name in (*TOKENIZER_FILES, "generation_config.json"):
         if (model_dir / name).exists():
             shutil.copy(model_dir / name, out / name)
     return {"architecture": "LlamaForCausalLM", "hidden_size": llama.hidden_size, "layers": llama.num_hidden_layers,

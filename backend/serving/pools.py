@@ -13,7 +13,6 @@ request slot (SPEC section 2).
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass, field
 
 import torch

@@ -57,7 +57,7 @@ class CedarForCausalLM(nn.Module):
         self.cfg = ced_config_of(config)
         self.flags = flags_from_config(config)
         # NOTE: SGLang builds the model under ``with torch.device(...)``: pools and kernels follow it
-        self.device = torch.empty(0).device
+        self.device = torch.get_default_device()
         kernels = KernelSet.for_device(self.device.type, self.flags.kernels)
         if kernels.backend == "fast":
             cpu_ext.available()  # NOTE: load (or build) the C++ kernels now, not in the first request
