@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -11,9 +12,9 @@ from torch import Tensor
 from .modules import Rope
 
 
-def cu_seqlens(lens) -> Tensor:
-    """(B,) counts -> (B + 1,) int32 offsets: request b owns rows cu[b]:cu[b + 1]."""
-    return torch.tensor([0, *torch.tensor(list(lens), dtype=torch.long).cumsum(0).tolist()], dtype=torch.int32)
+def cu_seqlens(lens, device: torch.device | str | None = None) -> Tensor:
+    """(B,) counts (host ints) -> (B + 1,) int32 offsets on ``device``: request b owns rows cu[b]:cu[b + 1]."""
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
 
 
 @dataclass(frozen=True)
@@ -30,8 +31,8 @@ class RowBatch:
         return int(self.pos.shape[0])
 
     @cached_property  # NOTE: read by every layer of a forward
-    def cu(self) -> Tensor:  # (B + 1,) int32
-        return cu_seqlens(self.lens)
+    def cu(self) -> Tensor:  # (B + 1,) int32, on the rows' device
+        return cu_seqlens(self.lens, self.pos.device)
 
     def rope(self, dim: int, rope_dim: int, theta: float, fast: bool = False) -> Rope:
         """The rows' RoPE tables, computed on first use and kept for every layer of the forward."""

@@ -23,6 +23,9 @@ A non-finite KV value is a model bug; it must stay loud, never saturate silently
 
 from __future__ import annotations
 
+import math
+import struct
+
 import torch
 
 from cedar.kernels.formats import Fp4Format, check_dequantize_args, check_quantize_args
@@ -109,8 +112,8 @@ def e8m0_scale(amax: torch.Tensor, max_code: float) -> tuple[torch.Tensor, torch
 
 
 def _frexp_scalar(v: float) -> tuple[float, int]:
-    mant, exp = torch.frexp(torch.tensor(v, dtype=torch.float32))
-    return mant.item(), int(exp.item())
+    """frexp of v rounded to float32, on the host (NOTE: no tensor read back in a forward)."""
+    return math.frexp(struct.unpack("f", struct.pack("f", v))[0])
 
 
 def decode_e4m3(scales: torch.Tensor) -> torch.Tensor:

@@ -57,6 +57,7 @@ class WindowPlan:
     ring_size: int
     window: int
     block_q: int  # query rows per block of the batched-torch path
+    num_blocks: int | None = None  # blocks of the batched-torch path, where known on the host
 
     @cached_property
     def blocks(self) -> WindowBlocks:
@@ -90,30 +91,38 @@ class PoolPlan:
     ratio: int
 
 
-def segments(lens: Tensor) -> tuple[Tensor, Tensor]:
-    """(B,) counts -> (sum,) owner index and (sum,) offset within the owner's segment."""
-    owner = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
+def segments(lens: Tensor, total: int | None = None) -> tuple[Tensor, Tensor]:
+    """(B,) counts -> (sum,) owner index and (sum,) offset within the owner's segment.
+
+    total: sum(lens) where the caller knows it on the host (the planner does): then no output
+    size is read back from the device (NOTE: without it, repeat_interleave syncs to size its
+    output)."""
+    owner = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens, output_size=total)
     starts = torch.cumsum(lens, 0) - lens
-    return owner, torch.arange(owner.numel(), device=lens.device) - starts[owner]
+    n = owner.numel() if total is None else total
+    return owner, torch.arange(n, device=lens.device) - starts[owner]
 
 
-def row_owners(cu_seqlens: Tensor) -> Tensor:
-    """(B + 1,) offsets -> (T,) int64 request of every row."""
+def row_owners(cu_seqlens: Tensor, total: int | None = None) -> Tensor:
+    """(B + 1,) offsets -> (T,) int64 request of every row (total: T, where known on the host)."""
     cu = cu_seqlens.long()
-    return segments(cu[1:] - cu[:-1])[0]
+    return segments(cu[1:] - cu[:-1], total)[0]
 
 
 def window_plan(cu_q: Tensor, q_first: Tensor, cu_k: Tensor, k_first: Tensor, ring_size: int,
-                floor: Tensor, window: int, block_q: int) -> WindowPlan:
+                floor: Tensor, window: int, block_q: int, q_lens: tuple[int, ...] | None = None) -> WindowPlan:
     """A window read over a ragged key layout.
 
     cu_q: (B + 1,) query rows per request (consecutive positions from q_first (B,) int64);
     cu_k: (B + 1,) ragged key rows per request: ``ring_size`` ring rows (position p at ring row
     p % ring_size), then its new keys at consecutive positions from k_first (B,);
-    floor: (B,) int64 lowest readable key position. All on one device."""
+    floor: (B,) int64 lowest readable key position. All on one device.
+    q_lens: the query rows per request as host ints, where the caller has them: then neither
+    this plan nor its blocks read a size back from the device."""
     cu_q = cu_q.long()
-    row_req = row_owners(cu_q)
-    return WindowPlan(cu_q, q_first, row_req, cu_k.long(), k_first, floor, ring_size, window, block_q)
+    row_req = row_owners(cu_q, None if q_lens is None else sum(q_lens))
+    num_blocks = None if q_lens is None else sum(-(-n // block_q) for n in q_lens)
+    return WindowPlan(cu_q, q_first, row_req, cu_k.long(), k_first, floor, ring_size, window, block_q, num_blocks)
 
 
 def _window_blocks(plan: WindowPlan) -> WindowBlocks:
@@ -122,7 +131,7 @@ def _window_blocks(plan: WindowPlan) -> WindowBlocks:
     cu_q, cu_k, block_q, window, ring_size = plan.cu_q, plan.cu_k, plan.block_q, plan.window, plan.ring_size
     n_q, n_new = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1] - ring_size
     nblk = (n_q + block_q - 1) // block_q
-    req, i = segments(nblk)
+    req, i = segments(nblk, plan.num_blocks)
     row0 = cu_q[:-1][req] + i * block_q  # (nb,) first query row of each block
     q_index = row0[:, None] + torch.arange(block_q, device=cu_q.device)
     q_index = torch.where(q_index < cu_q[1:][req][:, None], q_index, -1)
@@ -138,15 +147,22 @@ def _window_blocks(plan: WindowPlan) -> WindowBlocks:
     return WindowBlocks(q_index, torch.where(k_ok, k_index, 0), k_expect, k_ok, band)
 
 
-def global_plan(cu_q: Tensor, cu_c: Tensor) -> GlobalPlan:
-    """cu_q: (B + 1,) query rows per request; cu_c: (B + 1,) ragged entries per request."""
+def global_plan(cu_q: Tensor, cu_c: Tensor, q_lens: tuple[int, ...] | None = None,
+                max_c: int | None = None) -> GlobalPlan:
+    """cu_q: (B + 1,) query rows per request; cu_c: (B + 1,) ragged entries per request.
+    q_lens (query rows per request) and max_c (the most entries of a request) as host ints,
+    where the caller has them: then no size is read back from the device."""
     cu_q, cu_c = cu_q.long(), cu_c.long()
     n_q, n_c = cu_q[1:] - cu_q[:-1], cu_c[1:] - cu_c[:-1]
-    Tq, C = int(n_q.max()) if n_q.numel() else 0, max(int(n_c.max()) if n_c.numel() else 0, 1)
+    if q_lens is None:
+        Tq = int(n_q.max()) if n_q.numel() else 0
+    else:
+        Tq = max(q_lens, default=0)
+    C = max(max_c if max_c is not None else int(n_c.max()) if n_c.numel() else 0, 1)
     t = torch.arange(Tq, device=cu_q.device)
     q_index = torch.where(t < n_q[:, None], cu_q[:-1, None] + t, -1)
     c = torch.arange(C, device=cu_q.device)
     c_valid = c < n_c[:, None]
     c_index = torch.where(c_valid, cu_c[:-1, None] + c, 0)
-    row_req = row_owners(cu_q)
+    row_req = row_owners(cu_q, None if q_lens is None else sum(q_lens))
     return GlobalPlan(q_index, c_index, c_valid, row_req)

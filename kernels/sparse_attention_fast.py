@@ -31,7 +31,7 @@ def indexer_scores(q_idx: Tensor, w_idx: Tensor, k_idx: Tensor, cu_seqlens_q: Te
         return sparse_attention_ref.indexer_scores(q_idx, w_idx, k_idx, cu_seqlens_q, cu_seqlens_c, q_pos, c_pos)
     T, Hi, Di = q_idx.shape
     B, C = plan.c_index.shape
-    scores = q_idx.new_full((T, C), float("-inf"))
+    scores = q_idx.new_full((T + 1, C), float("-inf"))  # NOTE: row T is the padding slots' sink
     keys = k_idx[plan.c_index].float().transpose(1, 2)  # (B, Di, C)
     cpos = torch.where(plan.c_valid, c_pos[plan.c_index], torch.iinfo(torch.long).max)  # (B, C)
     for s in range(0, plan.q_index.shape[1], Q_TILE):
@@ -41,9 +41,8 @@ def indexer_scores(q_idx: Tensor, w_idx: Tensor, k_idx: Tensor, cu_seqlens_q: Te
         dots = torch.relu(torch.bmm(q_idx[rows].float().reshape(B, t * Hi, Di), keys)).view(B, t, Hi, C)
         sc = torch.einsum("bthc,bth->btc", dots, w_idx[rows].float())
         sc = sc.masked_fill(cpos[:, None, :] > q_pos[rows][:, :, None], float("-inf"))
-        valid = qi >= 0
-        scores[qi[valid]] = sc[valid]
-    return scores
+        scores[torch.where(qi >= 0, qi, T)] = sc
+    return scores[:T]
 
 
 def topk_select(scores: Tensor, k: int) -> Tensor:

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from cedar.kernels.plans import GlobalPlan
 from cedar.kernels.window_attention_triton import (
     DOT_PRECISION,
     FLOAT_INPUTS,
@@ -233,9 +234,13 @@ def indexer_scores(q_idx: Tensor, w_idx: Tensor, k_idx: Tensor, cu_seqlens_q: Te
     _check_common("indexer_scores", dict(q_idx=q_idx, w_idx=w_idx, k_idx=k_idx),
                   dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_c=cu_seqlens_c, q_pos=q_pos, c_pos=c_pos))
     T, Hi, Di = q_idx.shape
-    # NOTE: C is an output shape, so this one host sync is part of the contract.
-    counts = cu_seqlens_c[1:] - cu_seqlens_c[:-1]
-    num_cols = max(int(counts.max()) if counts.numel() else 0, 1)
+    # NOTE: C is an output shape: a served forward's GlobalPlan knows it on the host; without
+    # one, this host sync is part of the contract.
+    if isinstance(plan, GlobalPlan):
+        num_cols = plan.c_index.shape[1]
+    else:
+        counts = cu_seqlens_c[1:] - cu_seqlens_c[:-1]
+        num_cols = max(int(counts.max()) if counts.numel() else 0, 1)
     scores = torch.full((T, num_cols), float("-inf"), dtype=torch.float32, device=q_idx.device)
     if T == 0 or Hi == 0:
         return scores
@@ -280,7 +285,7 @@ def topk_select(scores: Tensor, k: int) -> Tensor:
 def indexer_topk(q_idx: Tensor, w_idx: Tensor, k_idx: Tensor, cu_seqlens_q: Tensor, cu_seqlens_c: Tensor,
                  q_pos: Tensor, c_pos: Tensor, k: int, plan=None) -> Tensor:
     """The two kernels in turn (same contract as ``sparse_attention_ref.indexer_topk``)."""
-    return topk_select(indexer_scores(q_idx, w_idx, k_idx, cu_seqlens_q, cu_seqlens_c, q_pos, c_pos), k)
+    return topk_select(indexer_scores(q_idx, w_idx, k_idx, cu_seqlens_q, cu_seqlens_c, q_pos, c_pos, plan), k)
 
 
 def sparse_attention(q: Tensor, entries: Tensor, cu_seqlens_q: Tensor, cu_seqlens_c: Tensor,

@@ -73,10 +73,11 @@ def _blocked(q: Tensor, k: Tensor, k_pos: Tensor, sink: Tensor | None, scale: fl
         denom = denom + torch.exp(sink.float()[None, None, :] - m)
     o = torch.bmm(p.view(nb, Q * H, K), kb).view(nb, Q, H, D) / denom.clamp_min(1e-30)[..., None]
     o = torch.where(denom[..., None] > 0, o, torch.zeros_like(o))
-    valid = plan.q_index >= 0
-    rows = plan.q_index[valid]
-    out[rows] = o[valid]
-    lse[rows] = (torch.log(denom) + m)[valid]
-    return out, lse
+    # NOTE: padding slots land in a sink row T: no mask is read back to size a selection
+    rows = torch.where(plan.q_index >= 0, plan.q_index, T)
+    out, lse = torch.cat([out, out[:1]]), torch.cat([lse, lse[:1]])
+    out[rows] = o
+    lse[rows] = torch.log(denom) + m
+    return out[:T], lse[:T]
 
 

@@ -4,7 +4,12 @@ The planner (:mod:`planner`) decides what each request runs; this module turns t
 into the gather / scatter indices that :class:`~cedar.backend.serving.pool_keys.PoolKeys` and the
 batched kernels use in every layer, so that no layer loops over requests or reads a tensor back
 to the host. Built on the host in a handful of vectorised ops per forward; nothing in it assumes
-a CPU (the same tables can live on a GPU).
+a CPU: every table is created on the request slots' device (the pools' device).
+
+NOTE (a decode step): every table a decode step's layers read is sized from host facts the
+planner already has (batch size, each request's position and length), never from a device
+tensor, and none is cut by a data-dependent mask: the device part of a decode step reads no
+value back to the host (``tests/test_decode_step_sync_free.py``).
 
 Row sets: the *encoder rows* are the forward's rows (each request's replay rows, then its
 scheduled rows); the *decoder rows* are what the layers after the cut run on (all of a request's
@@ -36,10 +41,20 @@ class RowSet:
     owner: Tensor  # (T,) int64 request of every row
 
 
-def _row_set(first: Tensor, lens: Tensor) -> RowSet:
-    owner, offset = segments(lens)
-    cu = torch.cat([lens.new_zeros(1), torch.cumsum(lens, 0)])
-    return RowSet(RowBatch(first[owner] + offset, tuple(lens.tolist())), first, lens, cu, owner)
+def _row_set(first: Tensor, lens: list[int]) -> RowSet:
+    """first: (B,) int64 on the tables' device; lens: rows per request, host ints."""
+    n = torch.tensor(lens, dtype=torch.long, device=first.device)
+    owner, offset = segments(n, sum(lens))
+    cu = torch.cat([n.new_zeros(1), torch.cumsum(n, 0)])
+    return RowSet(RowBatch(first[owner] + offset, tuple(lens)), first, n, cu, owner)
+
+
+def _last_rows(rows: RowSet, n: int) -> Tensor:
+    """(sum_b min(len_b, n),) int64 each request's last ``n`` rows, ascending (every row set ends
+    at its request's last position), sized from the host lengths (no mask read back)."""
+    k = rows.lens.clamp_max(n)
+    req, off = segments(k, sum(min(m, n) for m in rows.batch.lens))
+    return rows.cu[1:][req] - k[req] + off
 
 
 @dataclass(frozen=True)
@@ -94,6 +109,7 @@ class BatchTables:
     enc_out_dst: Tensor  # (n,) int64 flat slot * W + pos % W
     token_slot_flat: Tensor  # (sum seq_len,) int64 every request's token slots, request-major
     token_slot_start: Tensor  # (B,) int64 where each request's slots start in it
+    requests: tuple = ()  # the plan's ServedRequests: host facts that size the tables
     _groups: dict = field(default_factory=dict)
     _entries: dict = field(default_factory=dict)
     _rings: dict = field(default_factory=dict)
@@ -103,24 +119,24 @@ class BatchTables:
 
     @classmethod
     def build(cls, cfg: CEDConfig, plan: ServedForward, slots: RequestSlots) -> "BatchTables":
-        reqs, W = plan.requests, cfg.sliding_window
-        long = dict(dtype=torch.long)
-        slot = torch.tensor([r.slot for r in reqs], **long)
-        seq = torch.tensor([r.seq_len for r in reqs], **long)
-        first = torch.tensor([r.row_start for r in reqs], **long)
-        floor = torch.tensor([r.window_floor for r in reqs], **long)
-        prefix = torch.tensor([r.prefix_len for r in reqs], **long)
+        reqs, W, dev = plan.requests, cfg.sliding_window, slots.device
+        long = dict(dtype=torch.long, device=dev)
+        # NOTE: one host -> device copy for the per-request facts
+        facts = torch.tensor([[r.slot, r.seq_len, r.row_start, r.window_floor, r.prefix_len] for r in reqs],
+                             dtype=torch.long).view(-1, 5).T.contiguous().to(dev)
+        slot, seq, first, floor, prefix = facts.unbind(0)
         if all(r.num_rows == 1 and r.decoder == "all" for r in reqs):
             return cls._decode(cfg, reqs, slot, seq, prefix, first, floor)
-        enc = _row_set(first, seq - first)
+        enc = _row_set(first, [r.seq_len - r.row_start for r in reqs])
         # NOTE: a tail starts at the last W positions, or where the slot's decoder state ends (a
         # restored snapshot's decoder continues from it, reading its rings); only a tail that cut
         # rows the decoder never ran reads nothing below its first row.
-        keep = torch.tensor([r.row_start if r.decoder == "all" else
-                             max(r.window_floor, r.seq_len - W, r.decoder_pos) if r.decoder == "tail" else r.seq_len
-                             for r in reqs], **long)
-        dec = _row_set(keep, seq - keep)
-        cut = torch.tensor([r.decoder == "tail" and r.seq_len - W > r.decoder_pos for r in reqs])
+        keep_h = [r.row_start if r.decoder == "all" else
+                  max(r.window_floor, r.seq_len - W, r.decoder_pos) if r.decoder == "tail" else r.seq_len
+                  for r in reqs]
+        keep = torch.tensor(keep_h, **long)
+        dec = _row_set(keep, [r.seq_len - k for r, k in zip(reqs, keep_h)])
+        cut = torch.tensor([r.decoder == "tail" and r.seq_len - W > r.decoder_pos for r in reqs], device=dev)
         T, owner, p = enc.batch.num_rows, dec.owner, dec.batch.pos
         own = p >= first[owner]
         dec_src = torch.where(own, enc.cu[:-1][owner] + p - first[owner], T + slot[owner] * W + p % W)
@@ -128,23 +144,23 @@ class BatchTables:
         if carried.any() and not torch.equal(slots.enc_pos.view(-1)[(dec_src - T)[carried]], p[carried]):
             bad = reqs[int(owner[carried][0])].rid
             raise RuntimeError(f"request {bad}: encoder outputs for its decoder tail are missing")
-        kept = enc.batch.pos >= seq[enc.owner] - W  # each request's last W encoder outputs
+        kept = _last_rows(enc, W)  # each request's last W encoder outputs
         return cls(cfg, slot, seq, prefix, enc, dec, floor, torch.where(cut, keep, floor), dec_src,
-                   torch.where(own, dec_src, -1), torch.nonzero(kept).view(-1),
-                   slot[enc.owner][kept] * W + enc.batch.pos[kept] % W,
-                   torch.cat([r.token_slots for r in reqs]), torch.cumsum(seq, 0) - seq)
+                   torch.where(own, dec_src, -1), kept, slot[enc.owner[kept]] * W + enc.batch.pos[kept] % W,
+                   torch.cat([r.token_slots for r in reqs]), torch.cumsum(seq, 0) - seq, tuple(reqs))
 
     @classmethod
     def _decode(cls, cfg: CEDConfig, reqs, slot: Tensor, seq: Tensor, prefix: Tensor, first: Tensor,
                 floor: Tensor) -> "BatchTables":
         """A decode step (one row per request, the decoder on it): the same tables, written down
         directly (NOTE: the encoder and decoder rows are one row set, so RoPE tables are shared)."""
-        B, W = len(reqs), cfg.sliding_window
-        rows = torch.arange(B)
-        ones = torch.ones(B, dtype=torch.long)
-        enc = RowSet(RowBatch(first, (1,) * B), first, ones, torch.arange(B + 1), rows)
+        B, W, dev = len(reqs), cfg.sliding_window, slot.device
+        rows = torch.arange(B, device=dev)
+        ones = torch.ones(B, dtype=torch.long, device=dev)
+        enc = RowSet(RowBatch(first, (1,) * B), first, ones, torch.arange(B + 1, device=dev), rows)
         return cls(cfg, slot, seq, prefix, enc, enc, floor, floor, rows, rows, rows, slot * W + first % W,
-                   torch.cat([r.token_slots for r in reqs]), torch.cumsum(seq, 0) - seq, single_row=True)
+                   torch.cat([r.token_slots for r in reqs]), torch.cumsum(seq, 0) - seq, tuple(reqs),
+                   single_row=True)
 
     # ------------------------------------------------------------------ global KV
     def groups(self, ratio: int, tail_len: Tensor | None) -> GroupWrites:
@@ -164,7 +180,7 @@ class BatchTables:
         g_first = start[req] + r * g
         keep = g_first + (r - 1) >= self.prefix_len[req]
         req, g_first = req[keep], g_first[keep]
-        member = g_first[:, None] + torch.arange(r)  # (G, r) positions
+        member = g_first[:, None] + torch.arange(r, device=g_first.device)  # (G, r) positions
         from_rows = enc.cu[:-1][req][:, None] + member - enc.first[req][:, None]
         from_tail = T + self.slots[req][:, None] * max(r - 1, 1) + member % r
         src = torch.where(member >= enc.first[req][:, None], from_rows, from_tail).reshape(-1)
@@ -178,27 +194,40 @@ class BatchTables:
 
     def _decode_groups(self, r: int, tail_len: Tensor | None) -> GroupWrites:
         """One row per request at position p: its group completes iff (p + 1) % r == 0, its first
-        r - 1 members pending in the slot's tail; else the row joins the tail."""
-        p, B = self.enc.first, self.slots.numel()
-        self._check_tails(r, tail_len, p % r)
-        done = (p + 1) % r == 0
-        req = torch.nonzero(done).view(-1)
-        j = torch.arange(r)
-        src = torch.where(j == r - 1, req[:, None], B + self.slots[req][:, None] * max(r - 1, 1) + j).reshape(-1)
-        g_first = p[req] - (r - 1)
-        dst = self.token_slot_flat[self.token_slot_start[req] + g_first] // r
-        pending = torch.nonzero(~done).view(-1)
-        return GroupWrites(src, g_first, dst, pending, self.slots[pending] * max(r - 1, 1) + p[pending] % r,
+        r - 1 members pending in the slot's tail; else the row joins the tail.
+
+        NOTE: which requests complete a group is known on the host (the planner's positions), so
+        every index is written down there and copied once: no mask is read back from the device.
+        (Computing every request's group, complete or not, would fix the shapes at B rows but
+        changes the pooled rows' last bits: a GEMM's row results depend on its row count.)"""
+        reqs, t = self.requests, max(r - 1, 1)
+        self._check_tails(r, tail_len, self.enc.first % r)
+        done, pending, flat, start = [], [], [], 0  # flat: token_slot_flat index of a group's first position
+        for b, q in enumerate(reqs):
+            if (q.row_start + 1) % r == 0:
+                done.append(b)
+                flat.append(start + q.row_start - (r - 1))
+            else:
+                pending.append(b)
+            start += q.seq_len
+        long = dict(dtype=torch.long, device=self.slots.device)
+        src = [len(reqs) + reqs[b].slot * t + j if j < r - 1 else b for b in done for j in range(r)]
+        dst = self.token_slot_flat[torch.tensor(flat, **long)] // r
+        return GroupWrites(torch.tensor(src, **long), torch.tensor([reqs[b].row_start - (r - 1) for b in done], **long),
+                           dst, torch.tensor(pending, **long),
+                           torch.tensor([reqs[b].slot * t + reqs[b].row_start % r for b in pending], **long),
                            self.seq_len % r)
 
     def _check_tails(self, r: int, tail_len: Tensor | None, expected: Tensor) -> None:
-        if r > 1 and not torch.equal(tail_len[self.slots], expected):
-            raise RuntimeError(f"compressor tails disagree with the request positions (ratio {r})")
+        """NOTE: checked on the device (an asynchronous assert there; it raises at once on CPU)."""
+        if r > 1:
+            torch._assert_async(torch.all(tail_len[self.slots] == expected),
+                                f"compressor tails disagree with the request positions (ratio {r})")
 
     def entries(self, ratio: int) -> EntryLayout:
         if ratio not in self._entries:
             counts = self.seq_len // ratio
-            req, g = segments(counts)
+            req, g = segments(counts, sum(r.seq_len // ratio for r in self.requests))
             cu = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
             rows = self.token_slot_flat[self.token_slot_start[req] + g * ratio] // ratio
             self._entries[ratio] = EntryLayout(rows, (g + 1) * ratio - 1, cu.int())
@@ -208,7 +237,8 @@ class BatchTables:
         key = (decoder, ratio)
         if key not in self._global_plans:
             rows = self.dec if decoder else self.enc
-            self._global_plans[key] = global_plan(rows.cu, self.entries(ratio).cu)
+            self._global_plans[key] = global_plan(rows.cu, self.entries(ratio).cu, rows.batch.lens,
+                                                  max((r.seq_len // ratio for r in self.requests), default=0))
         return self._global_plans[key]
 
     # ------------------------------------------------------------------ window KV
@@ -217,15 +247,14 @@ class BatchTables:
         if key not in self._rings:
             rows = self.dec if decoder else self.enc
             T = rows.batch.num_rows
-            ring_src = (self.slots[:, None] * S + torch.arange(S)).view(-1)
+            ring_src = (self.slots[:, None] * S + torch.arange(S, device=self.slots.device)).view(-1)
             n = S + rows.lens
             cu = torch.cat([n.new_zeros(1), torch.cumsum(n, 0)])
-            req, off = segments(n)  # off: offset in the request's keys
+            req, off = segments(n, S * len(rows.batch.lens) + T)  # off: offset in the request's keys
             perm = torch.where(off < S, T + req * S + off, rows.cu[:-1][req] + off - S)
-            kept = rows.batch.pos >= (self.seq_len - S)[rows.owner]
-            self._rings[key] = RingLayout(ring_src, rows.first.repeat_interleave(S), perm, cu.int(),
-                                          torch.nonzero(kept).view(-1),
-                                          self.slots[rows.owner][kept] * S + rows.batch.pos[kept] % S)
+            kept = _last_rows(rows, S)  # the rows each request's ring keeps
+            self._rings[key] = RingLayout(ring_src, rows.first.repeat_interleave(S), perm, cu.int(), kept,
+                                          self.slots[rows.owner[kept]] * S + rows.batch.pos[kept] % S)
         return self._rings[key]
 
     def window_plan(self, queries_decoder: bool, keys_decoder: bool, S: int) -> WindowPlan:
@@ -233,7 +262,7 @@ class BatchTables:
         if key not in self._window_plans:
             q, k = (self.dec if queries_decoder else self.enc), (self.dec if keys_decoder else self.enc)
             floor = self.dec_floor if keys_decoder else self.enc_floor
-            block = max(1, min(self.cfg.sliding_window, int(q.lens.max()) if q.lens.numel() else 1))
+            block = max(1, min(self.cfg.sliding_window, max(q.batch.lens, default=1)))
             self._window_plans[key] = window_plan(q.cu, q.first, self.ring(keys_decoder, S).cu, k.first, S,
-                                                  floor, self.cfg.sliding_window, block)
+                                                  floor, self.cfg.sliding_window, block, q.batch.lens)
         return self._window_plans[key]

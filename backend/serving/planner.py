@@ -158,8 +158,10 @@ def plan_forward(cfg: CEDConfig, flags: ServingFlags, slots: RequestSlots, pools
     """Claim or continue each request's slot and lay out the model rows of one forward.
 
     Mutates ``slots`` (resets stale slots to their new owner, or restores a snapshot).
-    input_ids: (sum(extend_lens),)."""
+    input_ids: (sum(extend_lens),). Every tensor of the plan lives on the pools' device; the
+    sizes come from the host lists (SGLang's own CPU-side metadata), never from a tensor."""
     requests, ids, sched, pos, lens, offset = [], [], [], [], [], 0
+    long = dict(dtype=torch.long, device=pools.device)
     for b, (rid, slot, hit, n) in enumerate(zip(rids, req_slots, prefix_lens, extend_lens)):
         seq_len = hit + n
         token_slots = req_to_token[slot, :seq_len].long()
@@ -173,10 +175,10 @@ def plan_forward(cfg: CEDConfig, flags: ServingFlags, slots: RequestSlots, pools
         requests.append(ServedRequest(slot, rid, start, hit, seq_len, owner.window_floor, hit - start,
                                       mode, token_slots, owner.decoder_pos))
         ids += [replay_ids, input_ids[offset:offset + n]]
-        sched += [torch.full((hit - start,), -1, dtype=torch.long), torch.arange(offset, offset + n)]
-        pos.append(torch.arange(start, seq_len, dtype=torch.long))
+        sched += [torch.full((hit - start,), -1, **long), torch.arange(offset, offset + n, **long)]
+        pos.append(torch.arange(start, seq_len, **long))
         lens.append(seq_len - start)
         offset += n
-    batch = RowBatch(torch.cat(pos) if pos else torch.zeros(0, dtype=torch.long), tuple(lens))
+    batch = RowBatch(torch.cat(pos) if pos else torch.zeros(0, **long), tuple(lens))
     return ServedForward(tuple(requests), torch.cat(ids) if ids else input_ids[:0].long(), batch,
-                         torch.cat(sched) if sched else torch.zeros(0, dtype=torch.long))
+                         torch.cat(sched) if sched else torch.zeros(0, **long))

@@ -40,7 +40,8 @@ class PoolKeys(KeySource):
         self.views: dict[int, GlobalView] = {}
         # NOTE: a decode step (one row per request, decoder on it) reads rings and pools in place
         # through the C++ kernels; every other forward runs the batched torch plans.
-        self.cpp = codec.quantize and codec.kernels.backend_of("window_attention") == "fast" and cpu_ext.available()
+        self.cpp = codec.quantize and codec.kernels.backend_of("window_attention") == "fast" \
+            and pools.device.type == "cpu" and cpu_ext.available()
         self.in_place = self.cpp and self.tables.single_row
 
     # ------------------------------------------------------------------ global KV

@@ -29,7 +29,7 @@ from cedar.kernels.dispatch import KernelSet
 from ..memory import budget_bytes_per_token, memory_report
 from ..model import CEDModel
 from .hf_config import CedarHFConfig, ced_config_of
-from .planner import RequestInfo, ServingFlags, admission_replay_rows, plan_forward
+from .planner import RequestInfo, ServedForward, ServingFlags, admission_replay_rows, plan_forward
 from .pool_keys import PoolKeys
 from .prepass import replay_prepass
 from .pools import RequestSlots, TokenPools
@@ -37,6 +37,27 @@ from .snapshots import SnapshotStore
 from .stats import ServingStats
 
 logger = logging.getLogger(__name__)
+
+
+def served_step(model: CEDModel, pools: TokenPools, slots: RequestSlots, plan: ServedForward,
+                num_rows: int) -> Tensor:
+    """One planned forward: keys from the pools, the layers, the commit, and the normed last
+    hidden state of each of SGLang's ``num_rows`` scheduled rows ((num_rows, hidden) f32 on the
+    pools' device; 0 for a row whose decoder did not run).
+
+    NOTE: no value is read back to the host and no shape depends on one (a decode step's
+    tables are sized from the plan's host facts; the rows are scattered through a sink row, not
+    cut by a mask): what a whole-step native call or a captured graph needs
+    (``tests/test_decode_step_sync_free.py``)."""
+    keys = PoolKeys(model.cfg, model.codec, pools, slots, plan)
+    dec = model.run_layers(model.embed(plan.input_ids), plan.batch, keys)
+    keys.commit()
+    hidden = torch.zeros(num_rows + 1, model.cfg.hidden_size, device=pools.device)  # row num_rows: the sink
+    if dec is not None:
+        sched = plan.sched_index[dec.source_row.clamp_min(0)]
+        ok = (dec.source_row >= 0) & (sched >= 0)  # replay rows and carried-over rows go to the sink
+        hidden[torch.where(ok, sched, num_rows)] = model.norm(dec.hidden)
+    return hidden[:num_rows]
 
 
 def flags_from_config(hf_config) -> ServingFlags:
@@ -151,8 +172,8 @@ class CedarForCausalLM(nn.Module):
         self._ensure_pools()
         t0 = time.perf_counter()
         fb = forward_batch
-        hidden = torch.zeros(input_ids.shape[0], self.cfg.hidden_size)
         if fb.forward_mode.is_idle() or input_ids.numel() == 0:
+            hidden = torch.zeros(input_ids.shape[0], self.cfg.hidden_size, device=self.device)
             return self.logits_processor(input_ids, hidden, self.lm_head, fb)
         req_to_token = get_req_to_token_pool().req_to_token
         self.pools.token_ids[fb.out_cache_loc.long()] = input_ids.int()
@@ -171,14 +192,8 @@ class CedarForCausalLM(nn.Module):
                 self.stats.record(pre)
         plan = plan_forward(self.cfg, self.flags, self.slots, self.pools, req_to_token, rids, req_slots,
                             prefix, ext, input_ids, infos, self.snapshots)
-        keys = PoolKeys(self.cfg, self.model.codec, self.pools, self.slots, plan)
-        dec = self.model.run_layers(self.model.embed(plan.input_ids), plan.batch, keys)
-        keys.commit()
+        hidden = served_step(self.model, self.pools, self.slots, plan, input_ids.shape[0])
         self.stats.record(plan, kind)
-        if dec is not None:
-            sched = plan.sched_index[dec.source_row.clamp_min(0)]
-            ok = (dec.source_row >= 0) & (sched >= 0)
-            hidden[sched[ok]] = self.model.norm(dec.hidden[ok])
         out = self.logits_processor(input_ids, hidden, self.lm_head, fb)
         out.customized_info = self.stats.meta_info(plan, self.slots)
         self.stats.time_forward(kind, time.perf_counter() - t0)
