@@ -18,5 +18,8 @@ test: setup
 test-kernels: setup
 	$(PY) -m pytest -q -ra -m kernels tests
 
+# NOTE: only what setup and the tests build; models/ holds the committed, shipped model and
+# whatever `cedar init-model` / `cedar train` wrote there: never removed here.
 clean:
-	rm -rf $(VENV) models/ .pytest_cache
+	rm -rf $(VENV) .pytest_cache build *.egg-info
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

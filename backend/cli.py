@@ -52,13 +52,13 @@ def _cmd_memory(args: argparse.Namespace) -> int:
 
 def _generate(model_dir: Path, prompt: str, max_new_tokens: int, quantize: bool) -> tuple[str, list[int], float]:
     import torch
-    from transformers import AutoTokenizer
 
     from .cache import new_cache
     from .model_io import load_model
     from .replay import greedy, prefill, replay_span
+    from .serving.hf_config import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = load_tokenizer(model_dir)
     model = load_model(model_dir, quantize=quantize)
     ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                   tokenize=True, return_dict=False)

@@ -92,9 +92,9 @@ class CedarEndpoint(RuntimeEndpoint):
         self._records_lock = threading.Lock()
 
     def _load_tokenizer(self):
-        from transformers import AutoTokenizer
+        from cedar.backend.serving.hf_config import load_tokenizer
 
-        return AutoTokenizer.from_pretrained(self.model_info.get("tokenizer_path") or self.model_info["model_path"])
+        return load_tokenizer(self.model_info.get("tokenizer_path") or self.model_info["model_path"])
 
     # ------------------------------------------------------------------ requests
     def generate(self, s, sampling_params):

@@ -22,7 +22,15 @@ NAME = "cedar_cpu"
 
 def build(verbose: bool = False) -> None:
     """Compile (if the source changed) and load the library; raises on failure."""
-    from torch.utils.cpp_extension import load
+    # NOTE: importing cpp_extension probes for CUDA and, on a host with nvcc but no GPU, warns "No
+    # CUDA runtime is found" in every server process; this build is CPU-only, so that one is muted
+    probe_log = logging.getLogger("torch.utils.cpp_extension")
+    level = probe_log.level
+    probe_log.setLevel(logging.ERROR)
+    try:
+        from torch.utils.cpp_extension import load
+    finally:
+        probe_log.setLevel(level)
 
     # NOTE: cpp_extension runs `ninja` from PATH; the venv's own ninja sits beside its python,
     # which a process started by path (not an activated venv) does not have on PATH

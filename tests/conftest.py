@@ -2,18 +2,53 @@
 
 NOTE: Triton reads TRITON_INTERPRET when a ``@triton.jit`` kernel is defined, so on a machine
 without CUDA it must be set here, before any test module imports a ``*_triton`` kernel module.
+
+No test may leave a process behind (an idle SGLang server busy-polls a core): every process the
+session starts inherits SESSION_MARK, and the session fails, loudly, if one outlives it (after it
+is killed).
 """
 
 import os
+import sys
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+
+from server_helpers import SESSION_MARK, kill_processes, leftover_processes  # noqa: E402
+
+os.environ[SESSION_MARK] = str(os.getpid())
+LEFTOVER_GRACE_S = 10  # a group stopped in the last teardown may take a moment to go
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the session if a process it started is still alive at its end (then kill it)."""
+    deadline = time.time() + LEFTOVER_GRACE_S
+    while (left := leftover_processes(os.getpid())) and time.time() < deadline:
+        time.sleep(0.5)
+    if not left:
+        return
+    lines = []
+    for p in left:
+        try:
+            lines.append(f"  pid {p.pid} (parent {p.ppid()}): {' '.join(p.cmdline())[:200]}")
+        except Exception:  # noqa: BLE001 - it went while we looked
+            lines.append(f"  pid {p.pid}")
+    kill_processes(left)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    message = f"{len(left)} process(es) started by the tests outlived them (now killed):\n" + "\n".join(lines)
+    if reporter is not None:
+        reporter.write_line("ERROR: " + message, red=True, bold=True)
+    else:
+        print("ERROR: " + message, file=sys.stderr)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")

@@ -36,6 +36,11 @@ def by_label(records, name):
     return [r for r in records if r["label"] == name]
 
 
+def all_steps(session: dict) -> list[dict]:
+    """The session's steps and, after them, its subagents' (recursively)."""
+    return session["steps"] + [st for child in session["children"] for st in all_steps(child)]
+
+
 def coding_registry():
     registry = Sandbox().tools()
     delegate_tool(registry, None, [])
@@ -65,7 +70,15 @@ def test_coding_session(checked_server, backend):
     child = by_label(records, "coding/sub0")
     assert child[0]["cached_tokens"] < 32
     assert result["reuse"]["cached_share"] > 0.7 and result["reuse"]["snapshot_share"] > 0.5, result["reuse"]
-    assert "def add" in result["files_after"]["calc.py"] or result["files_after"]  # the sandbox was real
+    # the sandbox was real: every task file was read back from its directory, and each one no
+    # successful write_file / edit_file / run_python step could have changed is byte-identical
+    files = result["files_after"]
+    assert set(EXAMPLE_TASK["files"]) <= set(files), sorted(files)
+    changers = [st for st in all_steps(session) if st["ok"] and st["tool"] in ("write_file", "edit_file", "run_python")]
+    touched = {json.loads(st["arguments"]).get("path", "").removeprefix("./") for st in changers}
+    unchanged = {name for name in EXAMPLE_TASK["files"]
+                 if name not in touched and not any(st["tool"] == "run_python" for st in changers)}
+    assert {n: files[n] for n in unchanged} == {n: EXAMPLE_TASK["files"][n] for n in unchanged}, changers
 
 
 def test_react_loop(checked_server, backend):

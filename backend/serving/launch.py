@@ -1,5 +1,12 @@
 """How ``cedar serve`` starts SGLang's own HTTP server with the CED model: the command line and
-the environment, in one place (the CLI, the demo, the tests and the benchmarks all use it)."""
+the environment, in one place (the CLI, the demo, the tests and the benchmarks all use it).
+
+``python -m cedar.backend.serving.launch SGLANG_FLAGS...`` is the server's entry point: what
+``sglang serve`` runs for a language model (plugins, server args, ``run_server``, the process
+tree killed at exit).
+NOTE: not ``python -m sglang.launch_server`` (deprecated in 0.5.23: it warns at every start) and
+not ``sglang serve`` itself (it first probes whether the model is a diffusion pipeline, which
+imports SGLang's diffusion registry: ~8 s of CPU per start)."""
 
 from __future__ import annotations
 
@@ -30,6 +37,11 @@ TOOL_SWITCHES = ("--constrained-json-disable-any-whitespace",)
 # the function's JSON schema, not only by the call's tags (level 0 leaves arguments free).
 TOOL_ENV = {"SGLANG_TOOL_STRICT_LEVEL": "2"}
 GPU_CHOOSES = {"--device", "--attention-backend", "--dtype"}  # left to SGLang where CUDA runs
+# NOTE: SGLang 0.5.23 warns on every CPU start, from module imports in each of its processes, that
+# AWQ / GGUF quantization (CUDA-only) and Triton are unavailable on this platform; true on any CPU
+# host and nothing Cedar uses, so a CPU server's Python processes ignore exactly these (prefixes).
+CPU_IGNORED_WARNINGS = ("ignore:Only CUDA:UserWarning",
+                        "ignore:Triton is not supported on current platform:UserWarning")
 
 
 @dataclass(frozen=True)
@@ -51,7 +63,7 @@ class ServeConfig:
         from ..config import CEDConfig
 
         page = CEDConfig.load(self.model).page_size
-        args = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model,
+        args = [sys.executable, "-m", "cedar.backend.serving.launch", "--model-path", self.model,
                 "--host", self.host, "--port", str(self.port), "--page-size", str(page),
                 "--json-model-override-args",
                 json.dumps({"cedar_serving": dataclasses.asdict(self.flags)})]
@@ -69,6 +81,7 @@ class ServeConfig:
         env.update(CEDAR_SGLANG_PLUGIN="1", SGLANG_EXTERNAL_MODEL_PACKAGE="cedar.backend.sglang_models")
         if not _has_cuda():
             env["SGLANG_USE_CPU_ENGINE"] = "1"
+            env["PYTHONWARNINGS"] = ",".join(filter(None, (*CPU_IGNORED_WARNINGS, env.get("PYTHONWARNINGS"))))
         if self.flags.kernels == "triton" and not _has_cuda():
             env.setdefault("TRITON_INTERPRET", "1")  # NOTE: Triton runs on CPU only interpreted
         if self.threads is not None:
@@ -80,3 +93,23 @@ def _has_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def main(argv: list[str]) -> None:
+    """Run SGLang's HTTP server with ``argv`` (SGLang's flags, as :meth:`ServeConfig.argv` writes
+    them); kill the server's child processes whatever ends it."""
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    load_plugins()
+    server_args = prepare_server_args(argv)
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

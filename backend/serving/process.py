@@ -1,15 +1,23 @@
 """Run ``cedar serve``'s SGLang server as a child process (the demo, the tests and the benchmarks
 share one per session: it takes ~20 s to start on 2 cores, and an SGLang crash kills its
 parent, so it never runs in the caller's process), and talk to a running one (:class:`ServerClient`:
-any URL, a router's too)."""
+any URL, a router's too).
+
+A started server (or router) never outlives its starter, whatever fails: a failed or interrupted
+start stops it, interpreter exit stops whatever was not stopped, and a starter killed outright
+takes it along (the kernel's parent-death signal)."""
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import json
 import os
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -24,17 +32,92 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+class ChildGroups:
+    """Every process group :func:`spawn_group` started in this interpreter and no one stopped yet;
+    stopped at interpreter exit (``atexit``).
+
+    NOTE: one per process (``CHILD_GROUPS``): the exit hook must reach every server the process
+    started, whoever started it. A parent killed outright (SIGKILL, a test's timeout) runs no
+    exit hook: the kernel's parent-death signal covers that (see :func:`spawn_group`)."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, subprocess.Popen] = {}
+        self.lock = threading.Lock()
+
+    def add(self, proc: subprocess.Popen) -> None:
+        with self.lock:
+            self.live[proc.pid] = proc
+
+    def discard(self, proc: subprocess.Popen) -> None:
+        with self.lock:
+            self.live.pop(proc.pid, None)
+
+    def stop_all(self) -> None:
+        with self.lock:
+            procs = list(self.live.values())
+        for proc in procs:
+            stop_group(proc, timeout_s=10)
+
+
+CHILD_GROUPS = ChildGroups()
+atexit.register(CHILD_GROUPS.stop_all)
+
+
+def _die_with_parent():
+    """A ``preexec_fn``: the child gets SIGKILL when this process dies, however it dies.
+
+    NOTE: the kernel sends it when the *thread* that forked exits, so it is armed only for a
+    child started from the main thread (a worker thread's child relies on ``atexit``). SGLang's
+    scheduler and detokenizer arm the same signal against the server's main process, so the
+    whole server follows. libc is looked up here, before the fork."""
+    if sys.platform != "linux" or threading.current_thread() is not threading.main_thread():
+        return None
+    prctl, parent = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()
+
+    def arm() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(1)
+
+    return arm
+
+
+def spawn_group(argv: list[str], stdout, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``argv`` as the leader of a new session (its own process group, stderr into
+    ``stdout``) that never outlives this process: stopped by :func:`stop_group`, at interpreter
+    exit, or by the kernel when this process is killed."""
+    proc = subprocess.Popen(argv, env=env, stdout=stdout, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=_die_with_parent())
+    CHILD_GROUPS.add(proc)
+    return proc
+
+
 def stop_group(proc: subprocess.Popen | None, timeout_s: float = 30) -> None:
-    """SIGTERM a child started with ``start_new_session`` and its whole group; SIGKILL after
-    ``timeout_s``. A no-op for a process that is gone."""
-    if proc is None or proc.poll() is not None:
+    """SIGTERM a child started by :func:`spawn_group` and its whole group; SIGKILL after
+    ``timeout_s``. A leader already gone: SIGKILL whatever is left of its group."""
+    if proc is None:
         return
-    os.killpg(proc.pid, signal.SIGTERM)
+    CHILD_GROUPS.discard(proc)
+    if proc.poll() is not None:
+        _killpg(proc.pid, signal.SIGKILL)
+        return
+    _killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        pass
+    _killpg(proc.pid, signal.SIGKILL)  # NOTE: members may outlive a leader that exited on SIGTERM
+    proc.wait()
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 class ServerClient:
@@ -99,9 +182,18 @@ class ServerProcess(ServerClient):
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "ServerProcess":
-        log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.argv or self.cfg.argv(), env=self.cfg.env(), stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        """Start the server and wait until it answers; on any failure here (exit, timeout,
+        KeyboardInterrupt) the server's whole process group is stopped before the error goes on."""
+        with open(self.log_path, "w") as log:  # NOTE: the child keeps its own copy of the descriptor
+            self.proc = spawn_group(self.argv or self.cfg.argv(), log, self.cfg.env())
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
         deadline = time.time() + self.timeout_s
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -110,10 +202,9 @@ class ServerProcess(ServerClient):
             try:
                 with urllib.request.urlopen(self.url + "/health_generate", timeout=30) as r:
                     if r.status == 200:
-                        return self
+                        return
             except OSError:
                 time.sleep(1.0)
-        self.stop()
         raise TimeoutError(f"cedar server not ready after {self.timeout_s} s; log: {self.log_path}")
 
     def log_tail(self, n: int = 40) -> str:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .launch import ServeConfig
-from .process import ServerProcess, free_port, stop_group
+from .process import ServerProcess, free_port, spawn_group, stop_group
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 
@@ -97,8 +97,7 @@ class Replicas:
 
     def _start_router(self, cfg: RouterConfig, log_path: Path, timeout_s: float) -> subprocess.Popen:
         with open(log_path, "w") as log:  # NOTE: the child keeps its own copy of the descriptor
-            proc = subprocess.Popen(cfg.argv(self.worker_urls), stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = spawn_group(cfg.argv(self.worker_urls), log)
         deadline, url = time.time() + timeout_s, f"http://{cfg.host}:{cfg.port}"
         while time.time() < deadline:
             if proc.poll() is not None:

@@ -105,38 +105,38 @@ def run_soak(cfg: SoakConfig, model_dir: Path, out_json: Path, server_url: str |
 
     ced = CEDConfig.load(model_dir)
     ref = load_model(model_dir).use_kernels(KernelSet.for_device("cpu"))  # the kernels the server runs
-    srv, argv = None, None
-    if server_url is None:
-        extra, snapshot_mb = _server_args(cfg, model_dir)
-        serve = ServeConfig(model=str(model_dir), port=free_port(), flags=ServingFlags(snapshot_mb=snapshot_mb),
-                            extra=extra + (("--api-key", api_key) if api_key else ()))
-        srv = ServerProcess(serve, log_path=Path(f"/tmp/cedar-soak-{serve.port}.log")).start()
-        server_url, argv, pid = srv.url, serve.argv(), srv.proc.pid
-        log(f"[soak] server {server_url} (log {srv.log_path}): {' '.join(extra)} --snapshot-mb {snapshot_mb:.2f}")
-    else:
-        pid = None
-    client = srv or ServerClient(server_url, api_key)
-    load = Load(client, ced.vocab_size, catalogue(ced.vocab_size, cfg.context), cfg.load, cfg.seed)
-    phases, t0 = [], time.time()
-    n_phases = max(1, round(cfg.minutes * 60 / cfg.phase_s))
-    try:
-        load.start()
-        for i in range(n_phases):
-            time.sleep(cfg.phase_s)
-            drained = load.pause(cfg.load.hang_s + 30)
-            state = client.wait_idle(120)
-            records, load.sentinels = load.sentinels, []
-            sentinels = _verify_sentinels(records, ref)
-            phase = _phase_report(i, t0, load, state, sentinels, _rss_mb(pid), drained)
-            phases.append(phase)
-            c = phase["counts"]
-            log(f"[soak] phase {i + 1}/{n_phases} at {phase['t_s']:.0f} s: sent {c['sent']} finished {c['finished']} "
-                f"aborted {c['aborted']} cut {c['disconnected']} rejected {c['rejected']} hung {c['hung']} "
-                f"lost {c['lost']}; integrity {'ok' if phase['integrity_ok'] else 'BROKEN'}; sentinels "
-                f"{sentinels[0]} checked, {len(sentinels[1])} wrong; RSS {phase['rss_mb']} MB")
-            load.resume()
+    srv, argv, pid = None, None, None
+    try:  # NOTE: the started server is stopped whatever fails, from its start on
+        if server_url is None:
+            extra, snapshot_mb = _server_args(cfg, model_dir)
+            serve = ServeConfig(model=str(model_dir), port=free_port(), flags=ServingFlags(snapshot_mb=snapshot_mb),
+                                extra=extra + (("--api-key", api_key) if api_key else ()))
+            srv = ServerProcess(serve, log_path=Path(f"/tmp/cedar-soak-{serve.port}.log")).start()
+            server_url, argv, pid = srv.url, serve.argv(), srv.proc.pid
+            log(f"[soak] server {server_url} (log {srv.log_path}): {' '.join(extra)} --snapshot-mb {snapshot_mb:.2f}")
+        client = srv or ServerClient(server_url, api_key)
+        load = Load(client, ced.vocab_size, catalogue(ced.vocab_size, cfg.context), cfg.load, cfg.seed)
+        phases, t0 = [], time.time()
+        n_phases = max(1, round(cfg.minutes * 60 / cfg.phase_s))
+        try:
+            load.start()
+            for i in range(n_phases):
+                time.sleep(cfg.phase_s)
+                drained = load.pause(cfg.load.hang_s + 30)
+                state = client.wait_idle(120)
+                records, load.sentinels = load.sentinels, []
+                sentinels = _verify_sentinels(records, ref)
+                phase = _phase_report(i, t0, load, state, sentinels, _rss_mb(pid), drained)
+                phases.append(phase)
+                c = phase["counts"]
+                log(f"[soak] phase {i + 1}/{n_phases} at {phase['t_s']:.0f} s: sent {c['sent']} finished "
+                    f"{c['finished']} aborted {c['aborted']} cut {c['disconnected']} rejected {c['rejected']} hung "
+                    f"{c['hung']} lost {c['lost']}; integrity {'ok' if phase['integrity_ok'] else 'BROKEN'}; "
+                    f"sentinels {sentinels[0]} checked, {len(sentinels[1])} wrong; RSS {phase['rss_mb']} MB")
+                load.resume()
+        finally:
+            load.close()
     finally:
-        load.close()
         if srv is not None:
             srv.stop()
     report = _report(cfg, model_dir, server_url, argv, load, phases, t0, sglang.__version__)
@@ -145,21 +145,48 @@ def run_soak(cfg: SoakConfig, model_dir: Path, out_json: Path, server_url: str |
     return report
 
 
+def judge_goals(counts: dict, phases: list[dict], rss_growth_pct: float | None) -> dict[str, bool | None]:
+    """Each goal: True (measured and met), False (measured and missed) or None (not measured:
+    RSS needs a server this run started and two phases; the sentinels need one checked)."""
+    mismatches = [m for p in phases for m in p["sentinel_mismatches"]]
+    checked = sum(p["sentinels_checked"] for p in phases)
+    return {
+        "no_lost_or_hung": counts["lost"] == 0 and counts["hung"] == 0,
+        "bad_input_all_4xx_with_message": not counts["bad_input_failures"],
+        "integrity_every_phase": all(p["integrity_ok"] for p in phases) if phases else None,
+        "rss_growth_under_5pct": None if rss_growth_pct is None else rss_growth_pct < 5.0,
+        "sentinels_identical": None if checked == 0 and not mismatches else not mismatches,
+    }
+
+
+UNMEASURED_WHY = {
+    "integrity_every_phase": "no phase ran",
+    "rss_growth_under_5pct": "needs the server's pid (a server this run started) and RSS from two phases",
+    "sentinels_identical": "no sentinel was checked",
+}
+
+
+def goal_status(goals: dict[str, bool | None]) -> dict[str, str]:
+    """'met', 'missed' or 'unmeasured: why' per goal; an unmeasured goal is never counted as met."""
+    return {name: "met" if ok else "missed" if ok is False else f"unmeasured: {UNMEASURED_WHY.get(name, 'no data')}"
+            for name, ok in goals.items()}
+
+
+def soak_passed(goals: dict[str, bool | None]) -> bool:
+    """The run passed: every goal was measured and met."""
+    return all(ok is True for ok in goals.values())
+
+
 def _report(cfg, model_dir, url, argv, load, phases, t0, sglang_version) -> dict:
     counts = load.counts.snapshot()
     rss = [p["rss_mb"] for p in phases if p["rss_mb"] is not None]
     growth = round(100 * (rss[-1] - rss[0]) / rss[0], 2) if len(rss) >= 2 else None
     mismatches = [m for p in phases for m in p["sentinel_mismatches"]]
-    goals = {
-        "no_lost_or_hung": counts["lost"] == 0 and counts["hung"] == 0,
-        "bad_input_all_4xx_with_message": not counts["bad_input_failures"],
-        "integrity_every_phase": all(p["integrity_ok"] for p in phases),
-        "rss_growth_under_5pct": None if growth is None else growth < 5.0,
-        "sentinels_identical": not mismatches and sum(p["sentinels_checked"] for p in phases) > 0,
-    }
+    goals = judge_goals(counts, phases, growth)
     return {
         "what": "cedar soak: multi-turn sessions with disconnects, aborts, bad input and reference-checked sentinels",
-        "goals": GOALS, "goals_met": goals, "passed": all(v is not False for v in goals.values()),
+        "goals": GOALS, "goals_met": goals,  # None: unmeasured, never counted as met
+        "goal_status": goal_status(goals), "passed": soak_passed(goals),
         "machine": machine_info(), "sglang_version": sglang_version, "model": str(model_dir), "server": url,
         "server_argv": argv, "config": asdict(cfg), "wall_s": round(time.time() - t0, 1),
         "counts": counts, "integrity_failures": sum(not p["integrity_ok"] for p in phases), "rss_mb": rss, "rss_growth_after_warmup_pct": growth,
