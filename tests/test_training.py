@@ -1,6 +1,8 @@
 """The batched training forward against the reference model, and the training loop: the loss
 falls, an interrupted run resumes to the same weights, packing places every token once."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -101,11 +103,17 @@ def test_step_plans_mix_replay_narrowing_and_plain_steps():
 
 
 @pytest.fixture(scope="module")
-def small_corpus(tmp_path_factory):
+def corpus_dir(tmp_path_factory):
+    """Where small_corpus writes its tokenizer."""
+    return tmp_path_factory.mktemp("corpus")
+
+
+@pytest.fixture(scope="module")
+def small_corpus(corpus_dir):
     from cedar.agents.corpus.build import build_corpus, tokenize_corpus
     from cedar.backend.tokenizer import build_tokenizer, special_token_ids
 
-    out = tmp_path_factory.mktemp("corpus")
+    out = corpus_dir
     corpus = build_corpus(seed=5, scale=0.004, log=None)
     build_tokenizer(out, 512, corpus=[s["text"] for s in corpus.sessions], markup_tokens=True)
     arrays = tokenize_corpus(corpus.sessions, out)
@@ -113,18 +121,29 @@ def small_corpus(tmp_path_factory):
     return arrays, cedar_tiny(bos=ids["<|bos|>"], pad=ids["<|pad|>"])
 
 
-def test_a_short_training_run_lowers_the_loss_and_resumes_exactly(small_corpus, tmp_path):
+def test_a_short_training_run_lowers_the_loss_and_resumes_exactly(small_corpus, corpus_dir, tmp_path):
+    from cedar.backend.training.probes import ProbeConfig, ProbeSuite
+
     arrays, cfg = small_corpus
-    tc = TrainConfig(steps=16, batch=2, seq_len=256, warmup=2, lr=3e-3, checkpoint_every=100, eval_every=100)
+    tc = TrainConfig(steps=16, batch=2, seq_len=256, warmup=2, lr=3e-3, checkpoint_every=100, eval_every=8)
+    probes = ProbeSuite(cfg, ProbeConfig(gaps=(0, 200), cases=2, distances=(64,)), tokenizer_dir=corpus_dir)
     torch.set_num_threads(2)
-    model, curve = train(cfg, arrays, None, tc, tmp_path / "a", progress=False)
+    model, curve = train(cfg, arrays, None, tc, tmp_path / "a", progress=False, probes=probes)
     losses = [p["loss"] for p in curve["train"]]
     assert np.mean(losses[-4:]) < np.mean(losses[:4]) - 0.5, losses
     assert (tmp_path / "a" / "loss_curve.png").stat().st_size > 0
-    _, half = train(cfg, arrays, None, tc, tmp_path / "b", progress=False, until=7)
+    # the probes ran at each eval (steps 8 and 16) and are in the curve
+    assert [p["step"] for p in curve["probes"]] == [8, 16]
+    for p in curve["probes"]:
+        assert set(p["repeat"]) == {"0", "200"} and set(p["value"]) == {"64"}
+        assert set(p["recall"]) == {"L1", "L4", "L6"} and all(0 <= v <= 1 for v in p["repeat"].values())
+    assert json.loads((tmp_path / "a" / "loss_curve.json").read_text())["probes"] == curve["probes"]
+    _, half = train(cfg, arrays, None, tc, tmp_path / "b", progress=False, until=7, probes=probes)
     assert len(half["train"]) == 7
-    resumed, curve_b = train(cfg, arrays, None, tc, tmp_path / "b", progress=False)
+    resumed, curve_b = train(cfg, arrays, None, tc, tmp_path / "b", progress=False, probes=probes)
     assert [p["loss"] for p in curve_b["train"]] == losses
+    same = lambda ps: [{k: v for k, v in p.items() if k != "seconds"} for p in ps]  # noqa: E731
+    assert same(curve_b["probes"]) == same(curve["probes"])  # same weights, same figures
     for (name, p), q in zip(model.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(p, q), name
 
@@ -137,7 +156,8 @@ def test_cedar_train_writes_a_model_folder_and_resumes(tmp_path):
     from cedar.backend.model_io import load_model
 
     cmd = [sys.executable, "-m", "cedar.backend.cli", "train", "--out", str(tmp_path), "--steps", "4", "--batch", "1",
-           "--seq-len", "256", "--scale", "0.003", "--eval-every", "2", "--checkpoint-every", "2", "--no-progress"]
+           "--seq-len", "256", "--scale", "0.003", "--eval-every", "2", "--checkpoint-every", "2", "--no-progress",
+           "--probe-quick"]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-2000:]
     model = load_model(tmp_path / "model")
@@ -147,8 +167,20 @@ def test_cedar_train_writes_a_model_folder_and_resumes(tmp_path):
     assert (tmp_path / "loss_curve.png").stat().st_size > 0
     summary = json.loads((tmp_path / "model" / "training.json").read_text())
     assert summary["steps"] == 4 and summary["command"].startswith("cedar train --out")
+    # the probes of every eval, in the curve and in training.json
+    assert [p["step"] for p in curve["probes"]] == [2, 4] and summary["probes"] == curve["probes"]
+    assert set(curve["probes"][0]["repeat"]) == {"0", "200"} and set(curve["probes"][0]["value"]) == {"32", "256"}
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)  # resumes at step 4: nothing left
     assert again.returncode == 0 and json.loads((tmp_path / "loss_curve.json").read_text())["train"] == curve["train"]
+    # the probes alone on a model folder, and a clear error for a folder that holds none
+    probe = [sys.executable, "-m", "cedar.backend.cli", "train", "--probe-only", str(tmp_path / "model"), "--json",
+             str(tmp_path / "probes.json"), "--probe-quick"]
+    res = subprocess.run(probe, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    report = json.loads((tmp_path / "probes.json").read_text())
+    assert report["repeat"] == curve["probes"][-1]["repeat"] and report["value"] == curve["probes"][-1]["value"]
+    bad = subprocess.run(probe[:5] + [str(tmp_path / "nothing")], capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "cannot load" in bad.stderr
 
 
 def test_bf16_training_lowers_the_loss_and_tracks_f32(small_corpus, tmp_path):

@@ -4,6 +4,10 @@ and the trained model in HF format in DIR/model.
     DIR/corpus/train.jsonl, heldout.json, tokens.npz, heldout_tokens.npz
     DIR/checkpoint.pt, loss_curve.json, loss_curve.png   (resumable: run the same command again)
     DIR/model/  config.json, model.safetensors, tokenizer files, chat template, training.json
+
+Every eval also runs the copy probes (``cedar.backend.training.probes``): their figures per eval
+step go to loss_curve.json / training.json (``probes``) and the plot's probe panels.
+``cedar train --probe-only MODEL_DIR --json OUT`` runs the probes on a model folder, no training.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 from cedar.backend.geometries import cedar_agent
 from cedar.backend.model_io import save_model
 from cedar.backend.tokenizer import TOKENIZER_FILES, build_tokenizer, generation_eos_token_ids, special_token_ids
+from cedar.backend.training.probes import QUICK, ProbeConfig, ProbeSuite
 from cedar.backend.training.trainer import TrainConfig, train
 
 from .build import build_corpus, load_sessions, run_scripted, save_corpus, tokenize_corpus
@@ -55,8 +60,43 @@ def prepare(out: Path, seed: int, scale: float, log=print) -> tuple[dict, dict]:
     return arrays, held
 
 
+def _probe_config(args: argparse.Namespace) -> ProbeConfig:
+    return QUICK if args.probe_quick else ProbeConfig()
+
+
+def _cmd_probe(args: argparse.Namespace) -> int:
+    from cedar.backend.model_io import load_model
+
+    model_dir = Path(args.probe_only)
+    try:
+        model = load_model(model_dir, quantize=False)
+    except (ValueError, OSError) as e:
+        print(f"[probe] cannot load {model_dir}: {e}", file=sys.stderr)
+        return 2
+    has_tokenizer = (model_dir / "tokenizer.json").is_file()
+    if not has_tokenizer:
+        print(f"[probe] no tokenizer.json in {model_dir}: the value probe is skipped", file=sys.stderr)
+    try:
+        suite = ProbeSuite(model.cfg, _probe_config(args), tokenizer_dir=model_dir if has_tokenizer else None)
+    except ValueError as e:
+        print(f"[probe] {e}", file=sys.stderr)
+        return 2
+    figures = suite.run(model)
+    report = {"command": "cedar " + " ".join(sys.argv[1:]), "model": str(model_dir), **figures}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(figures))
+    return 0
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
+    if args.probe_only:
+        return _cmd_probe(args)
+    if not args.out:
+        print("cedar train: --out DIR is required (or --probe-only MODEL_DIR)", file=sys.stderr)
+        return 2
     out = Path(args.out)
     if args.init:  # a warm start keeps the tokenizer its weights were trained with
         import shutil
@@ -83,14 +123,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"[train] exported step {state['step']} to {model_dir}")
         return 0
     t = time.time()
-    model, curve = train(cfg, arrays, held, tc, out, progress=not args.no_progress)
+    probes = None if args.no_probes else ProbeSuite(cfg, _probe_config(args), tokenizer_dir=model_dir)
+    model, curve = train(cfg, arrays, held, tc, out, progress=not args.no_progress, probes=probes)
     save_model(model, model_dir)
     summary = {"command": "cedar " + " ".join(sys.argv[1:]), "geometry": cfg.name,
                "parameters": sum(p.numel() for p in model.parameters()), "steps": tc.steps,
                "tokens_seen": tc.steps * tc.batch * tc.seq_len, "train_seconds": round(curve["seconds"], 1),
                "final_train_loss": float(np.mean([p["loss"] for p in curve["train"][-20:]])),
                "heldout": curve["heldout"][-1] if curve["heldout"] else None,
-               "corpus_tokens": int(len(arrays["ids"])), "heldout_tokens": int(len(held["ids"]))}
+               "corpus_tokens": int(len(arrays["ids"])), "heldout_tokens": int(len(held["ids"])),
+               "probes": curve.get("probes", [])}
     if args.init:  # the run this one continued, with its own summary (and so on down the chain)
         earlier = Path(args.init) / "training.json"
         summary["warm_start"] = {"from": args.init, **(json.loads(earlier.read_text()) if earlier.is_file() else {})}
@@ -101,7 +143,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("train", help="build the agent corpus and train a CED model on CPU (resumable)")
-    p.add_argument("--out", required=True, help="run folder (corpus, checkpoints, curve, model/)")
+    p.add_argument("--out", help="run folder (corpus, checkpoints, curve, model/); required unless --probe-only")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch", type=int, default=3, help="packed rows per step")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per row (a multiple of 128)")
@@ -119,5 +161,10 @@ def register(sub) -> None:
                    help="chance that a step's last row is synthetic copying (repeated random strings)")
     p.add_argument("--warmup", type=int, help="warm-up steps (default: min(50, steps / 10))")
     p.add_argument("--export", action="store_true", help="only write the latest checkpoint to DIR/model")
+    p.add_argument("--no-probes", action="store_true", help="skip the copy probes at each eval")
+    p.add_argument("--probe-only", metavar="MODEL_DIR",
+                   help="run the copy probes on a model folder and exit (no training; see --json)")
+    p.add_argument("--json", help="with --probe-only: write the probe figures here")
+    p.add_argument("--probe-quick", action="store_true", help="fewer probe cases, gaps and distances (a smoke run)")
     p.set_defaults(fn=_cmd_train)
 

@@ -58,6 +58,10 @@ class PassOutput:
     logits: Tensor  # (B, n, V) f32 for rows [start, start + n)
     entries: dict[int, Entries]  # per KV source
     aux: Tensor  # () f32 indexer distillation loss (KL, summed over index producers)
+    # per index producer: the top-k as (indices (B, n, k) int64 into entries[kv_source_of(layer)],
+    # valid (B, n, k) bool: False where fewer than k entries were visible)
+    selections: dict[int, tuple[Tensor, Tensor]]
+    start: int = 0  # position of the pass's first row
 
 
 class DenseForward:
@@ -72,18 +76,25 @@ class DenseForward:
     def run(self, ids: Tensor, doc: Tensor, plan: Plan) -> tuple[Tensor, Tensor]:
         """ids, doc: (B, T) int64 -> logits (B, T, V) f32 (rows below H from pass 1, the rest from
         pass 2 when ``plan.hit``) and the aux loss ()."""
+        passes = self.run_passes(ids, doc, plan)
+        if len(passes) == 1:
+            return passes[0].logits, passes[0].aux
+        first, second = passes
+        return torch.cat([first.logits, second.logits[:, self.W:]], dim=1), first.aux + second.aux
+
+    def run_passes(self, ids: Tensor, doc: Tensor, plan: Plan) -> list[PassOutput]:
+        """The passes ``run`` merges: one (cold), or two under ``plan.hit`` (rows [0, H), then
+        rows [H - W, T) over the first pass's entries below H); the probes read their top-k."""
         T, W = ids.shape[1], self.W
         if T % W or plan.hit % W or plan.narrow_end % W:
             raise ValueError(f"T={T}, hit={plan.hit}, narrow_end={plan.narrow_end} must be multiples of W={W}")
         if not plan.hit:
-            out = self.forward_pass(ids, doc, 0, plan, None)
-            return out.logits, out.aux
+            return [self.forward_pass(ids, doc, 0, plan, None)]
         H = plan.hit
         if not 2 * W <= H <= T - W:
             raise ValueError(f"hit {H} must lie in [2W, T - W]")
         first = self.forward_pass(ids[:, :H], doc[:, :H], 0, plan, None)
-        second = self.forward_pass(ids[:, H - W:], doc[:, H - W:], H - W, plan, (first.entries, H))
-        return torch.cat([first.logits, second.logits[:, W:]], dim=1), first.aux + second.aux
+        return [first, self.forward_pass(ids[:, H - W:], doc[:, H - W:], H - W, plan, (first.entries, H))]
 
     def forward_pass(self, ids: Tensor, doc: Tensor, start: int, plan: Plan,
                      prefix: tuple[dict[int, Entries], int] | None) -> PassOutput:
@@ -132,7 +143,7 @@ class DenseForward:
             h = h + layer.attn_output(o.reshape(B * n, layer.num_heads, layer.latent), flat_pos).view(B, n, -1)
             h = h + layer.mlp(layer.mlp_norm(h))
         logits = m.lm_head(m.norm(h)).float()
-        return PassOutput(logits, entries, aux)
+        return PassOutput(logits, entries, aux, selections, start)
 
     # ------------------------------------------------------------------ pieces
     def _entries(self, comp: Compressor, x: Tensor, pos: Tensor, doc: Tensor, cached: Entries | None,

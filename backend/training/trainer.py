@@ -24,6 +24,7 @@ from cedar.backend.config import CEDConfig
 from cedar.backend.model import CEDModel
 
 from .dense import DenseForward, Plan
+from .probes import ProbeSuite
 
 CHECKPOINT = "checkpoint.pt"
 UNTRAINED = 2  # token weight: the token is input only (a copy row's first statement)
@@ -194,9 +195,13 @@ def lr_at(tc: TrainConfig, step: int) -> float:
 
 
 def train(cfg: CEDConfig, arrays: dict, heldout: dict | None, tc: TrainConfig, out: Path,
-          progress: bool = True, until: int | None = None) -> tuple[CEDModel, dict]:
+          progress: bool = True, until: int | None = None,
+          probes: ProbeSuite | None = None) -> tuple[CEDModel, dict]:
     """Train (or resume from ``out/checkpoint.pt``) and return the model and the curve.
-    ``until``: stop after that step (checkpointed), as an interrupted run would."""
+    ``until``: stop after that step (checkpointed), as an interrupted run would. At every eval
+    (each ``tc.eval_every`` steps and the last) the held-out loss goes to ``curve["heldout"]``
+    (with ``heldout`` given) and the copy probes' figures to ``curve["probes"]`` (with
+    ``probes`` given), each entry tagged with its step."""
     from tqdm import tqdm
 
     out.mkdir(parents=True, exist_ok=True)
@@ -211,7 +216,7 @@ def train(cfg: CEDConfig, arrays: dict, heldout: dict | None, tc: TrainConfig, o
     rest = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
                              {"params": rest, "weight_decay": 0.0}], lr=tc.lr, betas=(0.9, 0.95))
-    curve = {"config": asdict(tc), "train": [], "heldout": [], "seconds": 0.0}
+    curve = {"config": asdict(tc), "train": [], "heldout": [], "probes": [], "seconds": 0.0}
     start = 0
     ck = out / CHECKPOINT
     if ck.is_file():
@@ -221,6 +226,7 @@ def train(cfg: CEDConfig, arrays: dict, heldout: dict | None, tc: TrainConfig, o
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         curve, start = state["curve"], state["step"]
+        curve.setdefault("probes", [])  # a checkpoint written before the probes existed
     rows = pack_rows(arrays["doc_start"], tc.seq_len)
     order = random.Random(f"{tc.seed}:order")
     perm: list[int] = []
@@ -248,9 +254,12 @@ def train(cfg: CEDConfig, arrays: dict, heldout: dict | None, tc: TrainConfig, o
                                "hit": plan.hit, "narrow_end": plan.narrow_end})
         bar.set_postfix(loss=f"{float(plain):.3f}")
         done = step + 1
-        if heldout is not None and (done % tc.eval_every == 0 or done == tc.steps):
+        if done % tc.eval_every == 0 or done == tc.steps:
             model.eval()
-            curve["heldout"].append({"step": done, **heldout_loss(model, heldout, tc, cfg.pad_token_id)})
+            if heldout is not None:
+                curve["heldout"].append({"step": done, **heldout_loss(model, heldout, tc, cfg.pad_token_id)})
+            if probes is not None:
+                curve["probes"].append({"step": done, **probes.run(model)})
             model.train()
         if done % tc.checkpoint_every == 0 or done in (tc.steps, until):
             curve["seconds"] = time.time() - t0
@@ -268,13 +277,21 @@ def save_checkpoint(path: Path, model, opt, curve, step: int, tc: TrainConfig) -
 
 
 def write_curve(curve: dict, out: Path) -> None:
+    """``out/loss_curve.json`` and ``out/loss_curve.png``: the loss panel and, once probes ran,
+    the probe panels (repeat accuracy per gap, value accuracy per distance, indexer recall)."""
     (out / "loss_curve.json").write_text(json.dumps(curve) + "\n")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    probes = curve.get("probes") or []
+    if probes:
+        fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+        ax = axes[0, 0]
+        plot_probes(probes, axes[0, 1], axes[1, 0], axes[1, 1])
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4))
     tr = curve["train"]
     if tr:
         k = max(1, len(tr) // 100)
@@ -293,3 +310,28 @@ def write_curve(curve: dict, out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out / "loss_curve.png", dpi=100)
     plt.close(fig)
+
+
+def plot_probes(probes: list[dict], repeat_ax, value_ax, recall_ax) -> None:
+    """Probe figures per eval step (``curve["probes"]``) as curves on three axes."""
+    steps = [p["step"] for p in probes]
+    for gap in probes[-1]["repeat"]:
+        repeat_ax.plot(steps, [p["repeat"].get(gap, np.nan) for p in probes], "o-", label=f"gap {gap}")
+    repeat_ax.set_title("repeat probe: top-1 on the repeat")
+    for dist in probes[-1].get("value", {}):
+        value_ax.plot(steps, [p.get("value", {}).get(dist, np.nan) for p in probes], "o-", label=f"~{dist} tokens")
+    value_ax.set_title("value in the agent format: top-1 on the call's value tokens")
+    for layer in probes[-1]["recall"]:
+        gaps = list(probes[-1]["recall"][layer])
+        far = gaps[-1]
+        line, = recall_ax.plot(steps, [p["recall"].get(layer, {}).get(far, np.nan) for p in probes], "o-",
+                               label=f"{layer}, gap {far}")
+        recall_ax.plot(steps, [p["recall_chance"].get(layer, {}).get(far, np.nan) for p in probes], "--",
+                       color=line.get_color(), label=f"{layer}, random top-k")
+    recall_ax.set_title("indexer recall@k of the entry holding the copied token")
+    for ax in (repeat_ax, value_ax, recall_ax):
+        ax.set_xlabel("step")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        if ax.get_lines():
+            ax.legend(fontsize=7)
