@@ -11,8 +11,12 @@ Markup (one line per message, no newlines between them):
     <|tool|>{result text}<|end|>
     <|assistant|>                     (add_generation_prompt)
 
-Tool calls are the markup of SGLang's `hermes` tool-call parser (`--tool-call-parser hermes`,
-`sglang/srt/function_call/hermes_detector.py`), written byte for byte as that detector's
+A `developer` message (the role current OpenAI clients send instructions in) is read as a
+`system` message.
+
+Tool calls are the markup of SGLang's `hermes` tool-call parser
+(`sglang/srt/function_call/hermes_detector.py`; Cedar serves it as `--tool-call-parser cedar`,
+the same markup read by a JSON-aware scan: `serving/tool_call_parser.py`), written byte for byte as that detector's
 structural tag begins and ends them (`<tool_call>{"name":"` + name + `", "arguments":` ...
 `}</tool_call>`), and the arguments as `json.dumps` (= Jinja `tojson`) writes them, which is
 also what xgrammar emits with `--constrained-json-disable-any-whitespace`. NOTE: so a
@@ -30,7 +34,9 @@ from __future__ import annotations
 import json
 
 TOOL_CALL_BEGIN, TOOL_CALL_END = "<tool_call>", "</tool_call>"
-TOOL_CALL_PARSER = "hermes"  # SGLang's parser that reads this markup
+# the parser that reads this markup: hermes' markup read by a JSON-aware scan
+# (`serving/tool_call_parser.py`, registered by Cedar's SGLang plugin)
+TOOL_CALL_PARSER = "cedar"
 # a call is CALL_HEAD + name + CALL_MID + arguments JSON + CALL_TAIL (the hermes structural tag's
 # begin is CALL_HEAD + name + CALL_MID, its end CALL_TAIL)
 CALL_HEAD = TOOL_CALL_BEGIN + '{"name":"'
@@ -69,12 +75,12 @@ def _jinja_str(text: str) -> str:
 
 # NOTE: mirrors the functions above; tests/test_chat_template.py checks the two agree.
 CHAT_TEMPLATE = (
-    "{%- set markers = {'system': '<|system|>', 'user': '<|user|>', "
+    "{%- set markers = {'system': '<|system|>', 'developer': '<|system|>', 'user': '<|user|>', "
     "'assistant': '<|assistant|>', 'tool': '<|tool|>'} -%}"
     "{{- '<|bos|>' -}}"
     "{%- set first = 0 -%}"
     "{%- if tools -%}"
-    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- if messages and messages[0]['role'] in ('system', 'developer') -%}"
     "{%- set first = 1 -%}"
     "{%- set sys = messages[0]['content'] or '' -%}"
     "{{- '<|system|>' + (sys + '\\n\\n' if sys else '') -}}"

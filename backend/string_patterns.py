@@ -3,13 +3,21 @@
 xgrammar (0.2.7) takes a string's length bounds or a pattern, not both, and compiles length
 bounds to a rule that admits raw control characters (which JSON forbids) and no escapes. A
 pattern `^C{lo,hi}$` over a chosen character class `C` says the same bounds without that gap.
-Used by the server's grammar hooks (`serving/tool_call_hooks.py`, `JSON_CHAR`) and by the
-frontend's bounded tool schemas (`cedar.frontend.schema`, printable ASCII).
+Used by the server's grammar hooks (`serving/tool_call_hooks.py`: `JSON_CHAR` for `json_schema`
+requests, `TAG_CHAR` inside tool calls) and by the frontend's bounded tool schemas
+(`cedar.frontend.schema`, printable ASCII).
+
+NOTE: xgrammar 0.2.7 admits no escapes in a patterned string (the pattern reads raw characters),
+so a class is all a bounded string can hold.
 """
 
 from __future__ import annotations
 
 JSON_CHAR = '[^\\x00-\\x1f"\\\\]'  # any character a JSON string holds unescaped
+# JSON_CHAR without '<': inside a tool call no bounded argument can spell the closing markup
+# (`</tool_call>`). A pattern counts single characters, so the pair `</` cannot be refused under a
+# length bound (unbounded strings refuse only the pair: `tool_call_hooks.markup_free_strings`).
+TAG_CHAR = '[^\\x00-\\x1f"\\\\<]'
 ASCII_CHAR = '[ !#-\\[\\]-~]'  # printable ASCII without '"' (0x22) and '\\' (0x5c)
 
 

@@ -1,6 +1,7 @@
 """The chat markup: the Jinja template (what SGLang renders for /v1/chat/completions) and the
-Python markup (what frontend programs write) agree byte for byte, and SGLang's own `hermes`
-parser reads it the same way one-shot and fed one character at a time."""
+Python markup (what frontend programs write) agree byte for byte, a `developer` message is a
+`system` one, and Cedar's tool-call parser (`--tool-call-parser cedar`) reads every well-formed
+call, the same way one-shot and fed a few characters at a time (where `hermes` loses calls)."""
 
 import json
 
@@ -64,10 +65,13 @@ def _tools():
     return [Tool(**t) for t in TOOLS]
 
 
-def _detector():
+def _detector(name: str = TOOL_CALL_PARSER):
     from sglang.srt.function_call.function_call_parser import FunctionCallParser
 
-    return FunctionCallParser(_tools(), TOOL_CALL_PARSER)
+    from cedar.backend.serving.tool_call_parser import register
+
+    register()
+    return FunctionCallParser(_tools(), name)
 
 
 def _streamed(text: str, step: int) -> tuple[str, list[tuple[str, str]]]:
@@ -104,3 +108,55 @@ def test_hermes_parser_streamed_equals_one_shot(case, step):
     assert [(n, json.loads(p)) for n, p in streamed] == calls
     # NOTE: argument *text* may be re-serialized by the parser, but never changes value or type
     assert s_normal.strip() == normal.strip()
+
+
+def test_developer_is_system(hf_tokenizer):
+    as_system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "U"}]
+    as_developer = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "U"}]
+    for tools in (None, TOOLS):
+        render = [hf_tokenizer.apply_chat_template(m, tools=tools, tokenize=False, add_generation_prompt=True)
+                  for m in (as_system, as_developer)]
+        assert render[0] == render[1] and "Be brief." in render[1]
+    later = as_developer[::-1]  # a developer message after the first one too
+    assert "<|user|>U<|end|><|system|>Be brief.<|end|>" in hf_tokenizer.apply_chat_template(later, tokenize=False)
+
+
+MARKUP_IN_STRING = tool_call_text("get_weather", {"city": 'x}}</tool_call>'})
+CUT = 'ok <tool_call>{"name": "add", "arguments": {"a": 5'
+MALFORMED = '<tool_call>{"name": "add", "arguments": {a: 5}}</tool_call>'
+GARBAGE = '<tool_call>{"name": "add", "arguments": {}} x</tool_call>'
+# text the parser must read: (text, the calls in it, the rest as content)
+CASES = {
+    "markup in a string": (MARKUP_IN_STRING, [("get_weather", {"city": 'x}}</tool_call>'})], ""),
+    "two calls, text around": ("A " + MARKUP_IN_STRING + " B " + tool_call_text("add", {"a": 1, "b": 2}) + " C",
+                               [("get_weather", {"city": 'x}}</tool_call>'}), ("add", {"a": 1, "b": 2})], "A  B  C"),
+    "whitespace in the tag": ('<tool_call> {"name": "add", "arguments": {"a": 1}} \n</tool_call>',
+                              [("add", {"a": 1})], ""),
+    "closed, not tagged, at the end": ('<tool_call>{"name": "add", "arguments": {"a": 5}}', [("add", {"a": 5})], ""),
+    "cut off by max_tokens": (CUT, [], CUT),
+    "malformed JSON": (MALFORMED, [], MALFORMED),
+    "garbage after the JSON": (GARBAGE + tool_call_text("add", {"b": 1}), [("add", {"b": 1})], GARBAGE),
+    "escaped quote and bracket": (tool_call_text("get_weather", {"city": 'a"}]\\'}),
+                                  [("get_weather", {"city": 'a"}]\\'})], ""),
+    "no call": ("just text </tool_call> <tool_", [], "just text </tool_call> <tool_"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cedar_parser_reads_every_well_formed_call(case):
+    text, calls, rest = CASES[case]
+    normal, one_shot = _detector().parse_non_stream(text)
+    assert [(c.name, json.loads(c.parameters)) for c in one_shot] == calls
+    assert normal == (rest if calls or "<tool_call>" in text else text)
+    for step in (1, 2, 5, len(text)):
+        s_normal, streamed = _streamed(text, step)
+        assert [(n, json.loads(p)) for n, p in streamed] == calls, step
+        assert [p for _, p in streamed] == [c.parameters for c in one_shot]  # the same argument text
+        assert s_normal == rest, step
+
+
+def test_hermes_loses_a_call_with_markup_in_a_string():
+    """Why Cedar serves its own parser: SGLang's `hermes` (a non-greedy match) drops this call
+    one-shot and returns the markup as text, while its stream returns the call."""
+    normal, calls = _detector("hermes").parse_non_stream(MARKUP_IN_STRING)
+    assert calls == [] and normal == MARKUP_IN_STRING

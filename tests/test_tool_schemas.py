@@ -188,3 +188,42 @@ def test_caller_bounds_are_kept():
     props = r.add(f).parameters["properties"]
     assert props["a"]["maxLength"] == 5 and (props["b"]["minimum"], props["b"]["maximum"]) == (0, 9)
     assert props["c"]["maxItems"] == 4 and props["c"]["items"]["maximum"] == 1_000_000
+
+
+def test_tool_call_strings_cannot_close_the_call():
+    """Inside a call's tag no argument string spells `</tool_call>`: an unbounded string refuses
+    the raw pair `</` (JSON's `<\\/` writes it; `<` and `/` alone stay free), a bounded one the `<`."""
+    schema = {"type": "object", "properties": {"free": {"type": "string"}, "short": {"type": "string", "maxLength": 6}},
+              "required": ["free", "short"]}
+    for any_whitespace in (False, True):
+        legacy = {**LEGACY, "structures": [{**LEGACY["structures"][0], "schema": schema}]}
+        tag = rewrite_legacy_tag(legacy, any_whitespace)
+
+        def call(free: str, short: str = "ok") -> str:
+            return '<tool_call>{"name":"f", "arguments":{"free": "%s", "short": "%s"}}</tool_call>' % (free, short)
+        assert _tag_accepts(tag, call("a < b, a/b, <div>, \\n"))
+        assert _tag_accepts(tag, call("x}}<\\/tool_call>"))  # the escaped spelling of the same value
+        assert not _tag_accepts(tag, call("x}}</tool_call>"))
+        assert not _tag_accepts(tag, call("<</"))
+        assert _tag_accepts(tag, call("a", "a/b>"))
+        assert not _tag_accepts(tag, call("a", "a<b"))
+        assert not _tag_accepts(tag, call("a", "x" * 7))
+
+
+def test_forced_calls_get_the_schema_strict_or_not(monkeypatch):
+    """`required` / named: each tool's schema constrains its call even with strict unset and
+    SGLANG_TOOL_STRICT_LEVEL=0; `auto` is left as SGLang builds it."""
+    from sglang.srt.entrypoints.openai.protocol import Tool
+    from sglang.srt.function_call.function_call_parser import FunctionCallParser
+
+    from cedar.backend.serving.tool_call_hooks import around_legacy_tag
+
+    monkeypatch.setenv("SGLANG_TOOL_STRICT_LEVEL", "0")
+    params = [{"type": "object", "properties": {"a": {"type": "integer"}}}, {"type": "object", "properties": {}}]
+    tools = [Tool(type="function", function={"name": n, "parameters": p}) for n, p in zip("fg", params)]
+    parser = FunctionCallParser(tools, "hermes")
+    original = FunctionCallParser.get_legacy_structural_tag
+    assert [s.schema_ for s in original(parser, at_least_one=True).structures] == [{}, {}]  # 0.5.23 alone
+    forced = around_legacy_tag(original, parser, at_least_one=True)
+    assert [s.schema_ for s in forced.structures] == params
+    assert [s.schema_ for s in around_legacy_tag(original, parser, at_least_one=False).structures] == [{}, {}]

@@ -22,7 +22,8 @@ Each hook is a no-op for models other than Cedar's.
 | TokenizerManager.set_internal_state | a bad Cedar switch (unknown, or not 0/1) gets a 400 with a
   message (SGLang answers a rejected update 200 ``[false]``) |
 
-Tool-calling fixes (any model) live in ``tool_call_hooks.py``, installed from here.
+Tool-calling fixes (any model) live in ``tool_call_hooks.py``, repeatable seeded sampling (any
+model) in ``seed_hooks.py``, both installed from here.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import dataclasses
 import logging
 
 from ..config import MODEL_TYPE
-from . import tool_call_hooks
+from . import seed_hooks, tool_call_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -283,3 +284,4 @@ def install() -> None:
     HookRegistry.register(TARGETS["set_state"], around_set_state, HookType.AROUND)
     HookRegistry.register(TARGETS["handlers"], after_handlers, HookType.AFTER)
     tool_call_hooks.install()
+    seed_hooks.install()

@@ -15,22 +15,47 @@ checked by ``tests/test_sglang_hooks.py``).
 | OpenAIServingChat._effective_tools | a named `tool_choice` must constrain (and parse) the named
   function only; 0.5.23 builds the call's grammar from every tool in the request, so a call to
   another function passes the grammar |
+| FunctionCallParser.get_legacy_structural_tag | a forced call (`required`, named) is constrained by
+  each function's schema whether or not the tool says `strict`: 0.5.23 gives a non-strict tool an
+  empty schema unless `SGLANG_TOOL_STRICT_LEVEL` >= 2 (an environment variable a caller's own
+  environment overrides), and free arguments are what let a model write markup in them |
 
-All apply to any model: they change what the flag and the named choice already promise.
+All apply to any model: they change what the flag and the named choice already promise. The
+tags' argument strings also never hold the raw pair `</` (`markup_free_strings`), so no
+argument can close the call early; the parser that reads the calls is `tool_call_parser.py`,
+registered from here.
 """
 
 from __future__ import annotations
 
 import json
 
-from ..string_patterns import JSON_CHAR, strings_as_patterns
+from ..string_patterns import JSON_CHAR, TAG_CHAR, strings_as_patterns
+from . import tool_call_parser
 
 P = "sglang.srt."
 TARGETS = {
     "structural_tag": P + "constrained.xgrammar_backend.XGrammarGrammarBackend.dispatch_structural_tag",
     "json": P + "constrained.xgrammar_backend.XGrammarGrammarBackend.dispatch_json",
     "effective_tools": P + "entrypoints.openai.serving_chat.OpenAIServingChat._effective_tools",
+    "legacy_tag": P + "function_call.function_call_parser.FunctionCallParser.get_legacy_structural_tag",
 }
+# xgrammar 0.2.7's rule for the characters of a JSON string (`Grammar.from_json_schema`, printed);
+# `markup_free_strings` replaces it
+_STRING_END = r' (=([ \n\r\t]* [,}\]:]))'
+_ESCAPE = r'("\\" basic_escape basic_string_sub)'
+STRING_RULE = r'basic_string_sub ::= (("\"") | ([^\0-\x1f\"\\\r\n] basic_string_sub) | ' + _ESCAPE + ")" + _STRING_END
+# the same, where a raw `<` moves to a state in which a raw `/` may not follow
+MARKUP_FREE_RULES = (
+    r'basic_string_sub ::= (("\"") | ([^\0-\x1f\"\\\r\n<] basic_string_sub) | ("<" cedar_string_lt) | '
+    + _ESCAPE + ")" + _STRING_END + "\n"
+    r'cedar_string_lt ::= (("\"") | ([^\0-\x1f\"\\\r\n</] basic_string_sub) | ("<" cedar_string_lt) | '
+    + _ESCAPE + ")" + _STRING_END)
+
+
+class GrammarDriftError(Exception):
+    """xgrammar no longer prints the rule a hook rewrites (not a RuntimeError: those are a bad
+    schema's, which the hooks hand back to SGLang to report)."""
 
 
 def close_string_gap(schema):
@@ -44,6 +69,22 @@ def close_string_gap(schema):
     return strings_as_patterns(schema, JSON_CHAR)
 
 
+def markup_free_strings(grammar: str) -> str:
+    """`grammar` (xgrammar's printed JSON grammar) with every unbounded JSON string unable to hold
+    the raw pair `</`, so none can spell the closing markup `</tool_call>`.
+
+    NOTE: why the pair and not the `<`: every string value stays writable (`<` and `/` alone
+    are free, and the pair is JSON's own escape `<\\/`, the one HTML uses for `</script>`), and
+    text a model learned with raw `<` (code, comparisons) is still what the grammar admits.
+    Bounded strings are patterns, which admit no escapes, so they refuse `<` instead (`TAG_CHAR`).
+    """
+    if STRING_RULE not in grammar:
+        if "basic_string_sub" in grammar:  # xgrammar changed its rule: fail loudly, never silently
+            raise GrammarDriftError("xgrammar's JSON string rule changed: re-check tool_call_hooks.STRING_RULE")
+        return grammar
+    return grammar.replace(STRING_RULE, MARKUP_FREE_RULES)
+
+
 def rewrite_legacy_tag(legacy: dict, any_whitespace: bool) -> dict:
     """A legacy structural tag (``{"structures": [{begin, schema, end}], "triggers", "at_least_one"}``,
     what SGLang builds for tool calls) in xgrammar's current format.
@@ -55,18 +96,19 @@ def rewrite_legacy_tag(legacy: dict, any_whitespace: bool) -> dict:
       model fills it to ``max_tokens``, and streaming then reports it as content while the
       non-streamed response drops it.
     - otherwise (``auto`` with strict tools): free text until a trigger, as before.
+    - every argument string: no raw `</` (`markup_free_strings`), no `<` in a bounded one.
     """
     from xgrammar import Grammar
 
     def content(schema: dict) -> dict:
-        if any_whitespace:
-            return {"type": "json_schema", "json_schema": schema}
         # NOTE: xgrammar's own JSON-schema converter, printed as EBNF: the same language as a
-        # `json_schema` request under the flag, with `", "` / `": "` separators.
-        return {"type": "grammar", "grammar": str(Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))}
+        # `json_schema` request (under the whitespace flag, `", "` / `": "` separators), with
+        # the string rule replaced.
+        grammar = str(Grammar.from_json_schema(json.dumps(schema), any_whitespace=any_whitespace))
+        return {"type": "grammar", "grammar": markup_free_strings(grammar)}
 
     tags = [{"type": "tag", "begin": s["begin"], "end": s["end"],
-             "content": content(close_string_gap(s.get("schema") or {}))}
+             "content": content(strings_as_patterns(s.get("schema") or {}, TAG_CHAR))}
             for s in legacy["structures"]]
     if legacy.get("at_least_one"):
         fmt = {"type": "tags_with_separator", "tags": tags, "separator": "", "at_least_one": True,
@@ -113,9 +155,19 @@ def after_effective_tools(tools, self, request):
     return tools
 
 
+def around_legacy_tag(original, self, at_least_one: bool = False, *args, **kwargs):
+    tag = original(self, at_least_one, *args, **kwargs)
+    if at_least_one:  # NOTE: one structure per tool, in the order of self.tools (0.5.23)
+        for structure, tool in zip(tag.structures, self.tools, strict=True):
+            structure.schema_ = tool.function.parameters or {}
+    return tag
+
+
 def install() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(TARGETS["structural_tag"], around_structural_tag, HookType.AROUND)
     HookRegistry.register(TARGETS["json"], around_json, HookType.AROUND)
     HookRegistry.register(TARGETS["effective_tools"], after_effective_tools, HookType.AFTER)
+    HookRegistry.register(TARGETS["legacy_tag"], around_legacy_tag, HookType.AROUND)
+    tool_call_parser.register()
