@@ -27,8 +27,11 @@ def print_transcript(result: dict, out=sys.stdout) -> None:
         sessions += sess.get("children", [])
     if "scores" in result:
         sc = result["scores"]
-        print(f"function calling: {sc['calls_ok']}/{sc['calls']} calls right, {sc['tasks_ok']}/{sc['tasks']} tasks",
-              file=out)
+        print(f"function calling: {sc['calls_ok']}/{sc['calls']} calls right, {sc['tasks_ok']}/{sc['tasks']} tasks "
+              f"(names {sc['names_ok']}/{sc['calls']}, exact {sc['calls_exact']}/{sc['calls']}, "
+              f"values {sc['values_ok']}/{sc['values']}; {sc['task_errors']} tasks in error)", file=out)
+        for e in sc["errors"]:
+            print(f"  error in task {e['index']} ({e['name']}): {e['reason']}", file=out)
         for name, calls in sc["per_task"].items():
             for c in calls:
                 print(f"  {name} turn {c['turn']} call {c['index']}: {c['got_name']}({c['got_arguments']}) "
@@ -116,28 +119,96 @@ def _model_info(url: str) -> dict:
         return json.loads(r.read())
 
 
-def _cmd_evaluate(args: argparse.Namespace) -> int:
-    """Held-out tasks through a real server: task success per agent, recall, unconstrained calls."""
-    from tokenizers import Tokenizer
+SPLITS = ("heldout", "in-template")
 
+
+def _split_tasks(seed: int, split: str, kinds: list[str] | None, limit: int | None):
+    """(tasks, note) for one split of `cedar evaluate`; tasks None where the corpus cannot draw
+    the split (the note says why)."""
+    from dataclasses import fields
+
+    from .corpus.build import HELDOUT, make_tasks
+    from .corpus.tasks import Task
+
+    counts = {k: min(n, limit or n) for k, n in HELDOUT.items() if not kinds or k in kinds}
+    if "api-loop" in (kinds or ()) and "function-calling" not in counts:
+        counts["function-calling"] = min(HELDOUT["function-calling"], limit or HELDOUT["function-calling"])
+    try:
+        tasks = make_tasks(seed, split, counts)
+    except (ValueError, KeyError) as e:
+        return None, f"make_tasks does not draw split {split!r} ({e}); only the other split is reported"
+    if "template" not in {f.name for f in fields(Task)}:
+        return tasks, ("tasks carry no template: every split is drawn from the training templates (the "
+                       "same generators, bug kinds, tool schemas and phrasings), so this split is in-template "
+                       "in all but name")
+    return tasks, None
+
+
+def _evaluate_split(srv, model: str, tasks, tok, kinds, loop_requests: int) -> dict:
     from cedar.frontend.endpoint import CedarEndpoint
 
-    from .evaluate import run_tasks, unconstrained_calls
+    from .api_loop import run_loops
+    from .evaluate import evaluate_tasks, template_of, unconstrained_calls
 
-    tasks = _heldout(args.seed, args.kinds, args.limit)
+    agent_kinds = [t for t in tasks if not kinds or t.kind in kinds]
+    out = evaluate_tasks(CedarEndpoint(srv.url), agent_kinds, tok)
+    out["templates"] = sorted({template_of(t) for t in agent_kinds})
+    fc = [t for t in tasks if t.agent == "function-calling"]
+    if fc and (not kinds or "function-calling" in kinds):
+        out["unconstrained_calls"] = unconstrained_calls(srv.url, model, fc)
+    if fc and (not kinds or "api-loop" in kinds):
+        out["api_loop"] = run_loops(srv.url, model, [t.inputs for t in fc], loop_requests)
+    return out
+
+
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    """Each split apart, through a real server: task success per kind and per template, function
+    calling per call, recall, unconstrained calls, OpenAI-API loops; a failed task is an error."""
+    from tokenizers import Tokenizer
+
+    drawn = {split: _split_tasks(args.seed, split, args.kinds, args.limit) for split in args.splits}
     with _server(args) as srv:
         info = _model_info(srv.url)
         tok = Tokenizer.from_file(str(Path(info["tokenizer_path"]) / "tokenizer.json"))
-        report = {"model": info["model_path"], "seed": args.seed,
-                  "tasks": run_tasks(CedarEndpoint(srv.url), tasks, tok),
-                  "unconstrained_calls": unconstrained_calls(srv.url, info["model_path"], tasks)}
-    for kind, r in report["tasks"].items():
-        print(f"{kind:<17} {r['ok']:>3}/{r['tasks']:<3} {r['success']:.1%}" + (f"  distance {r['distance_tokens']}" if "distance_tokens" in r else ""))
-    u = report["unconstrained_calls"]
-    print(f"unconstrained tool calls: {u['valid']}/{u['calls']} valid ({u['valid_share']:.1%}), "
-          f"{u['right']}/{u['calls']} right ({u['right_share']:.1%})")
+        report = {"model": info["model_path"], "seed": args.seed, "command": "cedar " + " ".join(sys.argv[1:]),
+                  "splits": {}}
+        for split, (tasks, note) in drawn.items():
+            print(f"[evaluate] split {split}: {len(tasks or [])} tasks" + (f" ({note})" if note else ""), flush=True)
+            report["splits"][split] = {"note": note, **(_evaluate_split(srv, info["model_path"], tasks, tok, args.kinds,
+                                                                        args.loop_requests) if tasks else {})}
+    print(evaluate_table(report))
     _write_json(args.json, report)
     return 0
+
+
+def evaluate_table(report: dict) -> str:
+    """The figures of `cedar evaluate`, one block per split."""
+    lines = []
+    for split, r in report["splits"].items():
+        lines.append(f"== {split}" + (f"  (note: {r['note']})" if r.get("note") else ""))
+        for kind, k in r.get("per_kind", {}).items():
+            extra = f"  fixed line present {k['fixed_line_present']}/{k['tasks']}" if "fixed_line_present" in k else ""
+            extra += f"  distance {k['distance_tokens']}" if "distance_tokens" in k else ""
+            lines.append(f"{kind:<17} {k['ok']:>3}/{k['tasks']:<3} {k['success']:.1%}  errors {k['errors']}{extra}")
+        fc = r.get("function_calling")
+        if fc and fc["tasks"]:
+            lines.append(f"function calls: names {fc['names_ok']}/{fc['calls']}, "
+                         f"arguments {fc['calls_ok']}/{fc['calls']}, "
+                         f"exact {fc['calls_exact']}/{fc['calls']}, values {fc['values_ok']}/{fc['values']}; "
+                         f"tasks {fc['tasks_ok']}/{fc['tasks']} ({fc['task_errors']} in error)")
+        u = r.get("unconstrained_calls")
+        if u:
+            lines.append(f"unconstrained tool calls: {u['valid']}/{u['calls']} valid ({u['valid_share']:.1%}), "
+                         f"{u['right']}/{u['calls']} right ({u['right_share']:.1%})")
+        lp = r.get("api_loop")
+        if lp:
+            lines.append(f"OpenAI-API loops: {lp['ended']}/{lp['loops']} end on their own, "
+                         f"{lp['hit_limit']} hit the limit "
+                         f"of {lp['max_requests_per_turn']}, {lp['solved']} solved; calls right "
+                         f"{lp['calls_right']}/{lp['calls_expected']} ({lp['calls_made']} made)")
+        if r.get("errors"):
+            lines.append(f"errors: {len(r['errors'])} tasks (see the JSON)")
+    return "\n".join(lines)
 
 
 def _cmd_fidelity(args: argparse.Namespace) -> int:
@@ -191,11 +262,17 @@ def register(sub) -> None:
     reuse.add_argument("--json", default=None, help="also write the figures and per-request records here")
     reuse.set_defaults(fn=_cmd_agent_reuse)
 
-    ev = sub.add_parser("evaluate", help="the model on the held-out generated tasks through a real server (greedy)")
+    ev = sub.add_parser("evaluate", help="the model on generated tasks through a real server (greedy): the "
+                                         "held-out and the in-template split apart")
     _add_server_choice(ev)
     ev.add_argument("--seed", type=int, default=0, help="corpus seed the held-out split is drawn from")
-    ev.add_argument("--kinds", nargs="*", default=None, help="task generators to run (default: all)")
-    ev.add_argument("--limit", type=int, default=None, help="at most this many tasks per generator")
+    ev.add_argument("--kinds", nargs="*", default=None,
+                    help="task generators to run, and 'api-loop' for the OpenAI-API loops (default: all)")
+    ev.add_argument("--limit", type=int, default=None, help="at most this many tasks per generator and split")
+    ev.add_argument("--splits", nargs="+", choices=SPLITS, default=list(SPLITS),
+                    help="splits to run, each reported apart (default: both)")
+    ev.add_argument("--loop-requests", type=int, default=6,
+                    help="OpenAI-API loops: at most this many requests per user turn")
     ev.add_argument("--json", default=None)
     ev.set_defaults(fn=_cmd_evaluate)
 

@@ -11,6 +11,7 @@ from cedar.frontend.server import connect
 
 from .cli import print_transcript
 from .coding import EXAMPLE_TASK
+from .outcome import tests_pass
 from .runs import run_agent
 
 
@@ -37,15 +38,6 @@ def openai_tool_call(base_url: str, model: str, question: str = "What time is it
     calls = r.choices[0].message.tool_calls or []
     return "; ".join(f"{c.function.name}({c.function.arguments})" for c in calls) or \
         f"(no call; text {r.choices[0].message.content!r})"
-
-
-def tests_pass(files: dict[str, str], test: str) -> bool:
-    """Run `test` in a fresh sandbox holding `files` (the session's files afterwards)."""
-    from .sandbox import Sandbox
-
-    with Sandbox() as box:
-        box.write_files(files)
-        return box.run_python(f"exec(open({test!r}).read())").startswith("exit 0")
 
 
 def run_demo(model_dir: Path) -> int:

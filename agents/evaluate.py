@@ -1,28 +1,60 @@
-"""`cedar evaluate`: the shipped model on the held-out generated tasks, through a real server,
-greedy.
+"""`cedar evaluate`: a model on generated tasks through a real server, greedy, per split.
 
-- **task success per agent**: each held-out task runs through its agent program (constrained
-  calls, as the agents always call) and is scored by `corpus.build.outcome_ok`;
-- **long-range recall**: the `recall` tasks (a value from the first tool result, asked for after
-  the notes), with the token distance between the value and the final call;
-- **tool-call validity without constraints**: every turn of the held-out function-calling tasks
-  through the OpenAI API with `tool_choice: "auto"` (nothing constrains the output; earlier turns
-  are the gold calls and results): a call is valid when SGLang's `hermes` parser returns it and its
-  arguments validate against the tool's schema; right when it equals the expected call.
+The splits are reported apart, never mixed: **held-out** tasks come from templates no training
+task uses (bug kinds, tool schemas, fact bases, phrasings); **in-template** tasks are fresh
+instances of the training templates. A task's template is `task.template` (its kind where the
+task has none). Per split:
+
+- **task success per kind and per template**: each task runs through its agent program
+  (constrained calls, as the agents always call) and is judged by `outcome.outcome_ok`: a coding
+  task only when its test passes on the files the agent left (the old check, the fixed line
+  present in the file, is reported beside it as `fixed_line_present`, never as success);
+- **function calling per call**: name right, arguments right (an optional argument may be left
+  out), exact, values right; and per task (`function_calling.summarize`);
+- **long-range recall**: the `recall` tasks with the token distance between value and answer;
+- **tool-call validity without constraints**: every turn with calls of the function-calling tasks
+  through the OpenAI API with `tool_choice: "auto"` (earlier turns are the gold calls, results and
+  answers);
+- **the OpenAI-API loop** (`api_loop`): the function-calling tasks as client loops; how many end
+  on their own, hit the limit, are solved.
+
+A task whose run fails (the server refuses a gen, a tool raises, a malformed task) is an error
+for that task, reported with its index, kind and reason, and counted as not solved; the others
+still run.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from cedar.frontend.tools import ToolRegistry
 
-from .corpus.build import outcome_ok
 from .corpus.tasks import Task
 from .function_calling import same_json
+from .outcome import coding_test, outcome_ok
 from .runs import AGENTS
 
 W = 128
+FC_COUNTS = ("tasks", "tasks_ok", "tasks_exact", "task_errors", "calls", "names_ok", "calls_ok", "calls_exact",
+             "values", "values_ok")
+
+
+def template_of(task: Task) -> str:
+    """The task's template ("coding/off-by-one", ...); its kind where tasks carry none."""
+    return getattr(task, "template", None) or task.kind
+
+
+@dataclass
+class Outcome:
+    """One task's run, judged."""
+
+    index: int
+    kind: str
+    template: str
+    ok: bool
+    result: dict  # the agent's result ({"error": ...} when the run failed)
+    error: str | None = None
 
 
 def recall_distance(text: str, value: str, tokenizer) -> int:
@@ -40,37 +72,86 @@ def what_it_did(result: dict):
     return result.get("error")
 
 
-def run_tasks(backend, tasks: list[Task], tokenizer=None, log=print) -> dict:
-    """Per kind: tasks, successes, success rate; recall tasks also carry their distances."""
-    per_kind: dict[str, dict] = {}
-    for i, task in enumerate(tasks):
-        try:
-            result = AGENTS[task.agent](backend, task.inputs)
-            ok = outcome_ok(task, result)
-        except Exception as e:  # noqa: BLE001 - a failed run is a failed task, reported
-            result, ok = {"error": repr(e)[:200]}, False
-        k = per_kind.setdefault(task.kind, {"tasks": 0, "ok": 0, "failures": [], "distances": []})
-        k["tasks"] += 1
-        k["ok"] += ok
-        if not ok and len(k["failures"]) < 3:
-            k["failures"].append({"expect": task.expect, "got": what_it_did(result)})
-        if task.kind == "recall" and tokenizer is not None and "text" in result:
-            d = recall_distance(result["text"], task.expect["answer"], tokenizer)
-            k["distances"].append(d)
+def run_one(backend, index: int, task: Task) -> Outcome:
+    try:
+        result = AGENTS[task.agent](backend, task.inputs)
+        ok, error = outcome_ok(task, result), None
+        if "scores" in result and result["scores"]["errors"]:
+            error = "; ".join(e["reason"] for e in result["scores"]["errors"])[:300]
+    except Exception as e:  # noqa: BLE001 - a failed run is a failed task, reported
+        result, ok, error = {"error": repr(e)[:300]}, False, repr(e)[:300]
+    return Outcome(index, task.kind, template_of(task), ok, result, error)
+
+
+def _tally(outcomes: list[tuple[Task, Outcome]], key, tokenizer) -> dict:
+    groups: dict[str, dict] = {}
+    for task, o in outcomes:
+        g = groups.setdefault(key(o), {"tasks": 0, "ok": 0, "errors": 0, "failures": [], "distances": []})
+        g["tasks"] += 1
+        g["ok"] += o.ok
+        g["errors"] += o.error is not None
+        if task.kind == "coding" and "files_after" in o.result:
+            g["fixed_line_present"] = g.get("fixed_line_present", 0) + any(
+                task.expect["fixed_line"] in text for text in o.result["files_after"].values())
+            g["finished"] = g.get("finished", 0) + (o.result["session"]["answer"] is not None)
+        if not o.ok and len(g["failures"]) < 3:
+            fail = {"index": o.index, "expect": task.expect, "got": what_it_did(o.result)}
+            if task.kind == "coding" and "files_after" in o.result:
+                fail["test_output"] = coding_test(task, o.result["files_after"]).output[-300:]
+            g["failures"].append(fail)
+        if task.kind == "recall" and tokenizer is not None and "text" in o.result:
+            d = recall_distance(o.result["text"], task.expect["answer"], tokenizer)
+            g["distances"].append(d)
             if d > 4 * W:
-                k["over_4W_tasks"] = k.get("over_4W_tasks", 0) + 1
-                k["over_4W_ok"] = k.get("over_4W_ok", 0) + ok
-        if log and (i + 1) % 20 == 0:
-            log(f"[evaluate] {i + 1}/{len(tasks)} tasks")
-    for k in per_kind.values():
-        k["success"] = round(k["ok"] / k["tasks"], 4) if k["tasks"] else 0.0
-        if k.get("over_4W_tasks"):
-            k["over_4W_success"] = round(k["over_4W_ok"] / k["over_4W_tasks"], 4)
-        d = [x for x in k.pop("distances") if x >= 0]
+                g["over_4W_tasks"] = g.get("over_4W_tasks", 0) + 1
+                g["over_4W_ok"] = g.get("over_4W_ok", 0) + o.ok
+    for g in groups.values():
+        g["success"] = round(g["ok"] / g["tasks"], 4) if g["tasks"] else 0.0
+        if g.get("over_4W_tasks"):
+            g["over_4W_success"] = round(g["over_4W_ok"] / g["over_4W_tasks"], 4)
+        d = [x for x in g.pop("distances") if x >= 0]
         if d:
-            k["distance_tokens"] = {"min": min(d), "median": sorted(d)[len(d) // 2], "max": max(d),
+            g["distance_tokens"] = {"min": min(d), "median": sorted(d)[len(d) // 2], "max": max(d),
                                     "share_over_4W": round(sum(x > 4 * W for x in d) / len(d), 4)}
-    return per_kind
+    return groups
+
+
+def function_calling_figures(outcomes: list[Outcome]) -> dict:
+    """The function-calling runs' per-call and per-task counts summed, with their shares."""
+    out = dict.fromkeys(FC_COUNTS, 0)
+    for o in outcomes:
+        if o.kind == "function-calling":
+            sc = o.result.get("scores")
+            if sc is None:  # the run failed before scoring: one task, in error
+                out["tasks"] += 1
+                out["task_errors"] += 1
+                continue
+            for k in FC_COUNTS:
+                out[k] += sc[k]
+    for name, num, den in (("name_accuracy", "names_ok", "calls"), ("call_accuracy", "calls_ok", "calls"),
+                           ("exact_accuracy", "calls_exact", "calls"), ("value_accuracy", "values_ok", "values"),
+                           ("task_accuracy", "tasks_ok", "tasks"), ("task_exact_accuracy", "tasks_exact", "tasks")):
+        out[name] = round(out[num] / out[den], 4) if out[den] else 0.0
+    return out
+
+
+def evaluate_tasks(backend, tasks: list[Task], tokenizer=None, log=print) -> dict:
+    """One split: per kind, per template, function calling per call, and the errors."""
+    pairs = []
+    for i, task in enumerate(tasks):
+        pairs.append((task, run_one(backend, i, task)))
+        if log and (i + 1) % 10 == 0:
+            log(f"[evaluate] {i + 1}/{len(tasks)} tasks")
+    return {"per_kind": _tally(pairs, lambda o: o.kind, tokenizer),
+            "per_template": _tally(pairs, lambda o: o.template, None),
+            "function_calling": function_calling_figures([o for _, o in pairs]),
+            "errors": [{"index": o.index, "kind": o.kind, "template": o.template, "reason": o.error}
+                       for _, o in pairs if o.error is not None]}
+
+
+def run_tasks(backend, tasks: list[Task], tokenizer=None, log=print) -> dict:
+    """Per kind: tasks, successes, success rate (recall tasks also carry their distances)."""
+    return evaluate_tasks(backend, tasks, tokenizer, log)["per_kind"]
 
 
 def unconstrained_calls(base_url: str, model: str, tasks: list[Task]) -> dict:
@@ -79,45 +160,53 @@ def unconstrained_calls(base_url: str, model: str, tasks: list[Task]) -> dict:
 
     client = OpenAI(base_url=base_url.rstrip("/") + "/v1", api_key="none")
     calls = valid = right = turns_ok = turns = 0
-    examples = []
+    examples, errors = [], []
     for task in tasks:
         if task.agent != "function-calling":
             continue
-        t = task.inputs
-        registry = ToolRegistry.from_openai(t["tools"])
-        tools = registry.openai_tools()
-        messages = ([{"role": "system", "content": t["system"]}] if t.get("system") else [])
-        for turn in t["turns"]:
-            messages.append({"role": "user", "content": turn["user"]})
-            budget = sum(registry[c["name"]].max_tokens + 16 for c in turn["expected"])
-            out = client.chat.completions.create(model=model, messages=messages, tools=tools, tool_choice="auto",
-                                                 temperature=0, max_tokens=budget)
-            got = out.choices[0].message.tool_calls or []
-            turns += 1
-            ok_turn = len(got) == len(turn["expected"])
-            for k, exp in enumerate(turn["expected"]):
-                calls += 1
-                g = got[k] if k < len(got) else None
-                try:
-                    args = registry.validate(g.function.name, g.function.arguments) if g else None
-                    valid += args is not None
-                    hit = args is not None and g.function.name == exp["name"] and \
-                        same_json(json.loads(g.function.arguments), exp["arguments"])
-                except ValueError:
-                    hit = False
-                right += hit
-                ok_turn = ok_turn and hit
-                if not hit and len(examples) < 5:
-                    examples.append({"expected": exp, "got": None if g is None else
-                                     {"name": g.function.name, "arguments": g.function.arguments},
-                                     "content": out.choices[0].message.content})
-            turns_ok += ok_turn
-            messages.append({"role": "assistant", "content": None, "tool_calls": [
-                {"id": f"call_{i}", "type": "function",
-                 "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
-                for i, c in enumerate(turn["expected"])]})
-            for i, res in enumerate(turn.get("results") or ["ok"] * len(turn["expected"])):
-                messages.append({"role": "tool", "tool_call_id": f"call_{i}", "content": res})
+        try:
+            t = task.inputs
+            registry = ToolRegistry.from_openai(t["tools"])
+            tools = registry.openai_tools()
+            messages = ([{"role": "system", "content": t["system"]}] if t.get("system") else [])
+            for turn in t["turns"]:
+                messages.append({"role": "user", "content": turn["user"]})
+                if not turn["expected"]:  # a turn answered without a tool: no call to check
+                    messages.append({"role": "assistant", "content": turn.get("answer") or ""})
+                    continue
+                budget = sum(registry[c["name"]].max_tokens + 16 for c in turn["expected"])
+                out = client.chat.completions.create(model=model, messages=messages, tools=tools, tool_choice="auto",
+                                                     temperature=0, max_tokens=budget)
+                got = out.choices[0].message.tool_calls or []
+                turns += 1
+                ok_turn = len(got) == len(turn["expected"])
+                for k, exp in enumerate(turn["expected"]):
+                    calls += 1
+                    g = got[k] if k < len(got) else None
+                    try:
+                        args = registry.validate(g.function.name, g.function.arguments) if g else None
+                        valid += args is not None
+                        hit = args is not None and g.function.name == exp["name"] and \
+                            same_json(json.loads(g.function.arguments), exp["arguments"])
+                    except ValueError:
+                        hit = False
+                    right += hit
+                    ok_turn = ok_turn and hit
+                    if not hit and len(examples) < 5:
+                        examples.append({"expected": exp, "got": None if g is None else
+                                         {"name": g.function.name, "arguments": g.function.arguments},
+                                         "content": out.choices[0].message.content})
+                turns_ok += ok_turn
+                messages.append({"role": "assistant", "content": None, "tool_calls": [
+                    {"id": f"call_{i}", "type": "function",
+                     "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
+                    for i, c in enumerate(turn["expected"])]})
+                for i, res in enumerate(turn.get("results") or ["ok"] * len(turn["expected"])):
+                    messages.append({"role": "tool", "tool_call_id": f"call_{i}", "content": res})
+                if turn.get("answer"):
+                    messages.append({"role": "assistant", "content": turn["answer"]})
+        except Exception as e:  # noqa: BLE001 - a task the server refused is an error for that task
+            errors.append({"name": task.inputs.get("name"), "reason": repr(e)[:300]})
     return {"calls": calls, "valid": valid, "right": right, "valid_share": round(valid / calls, 4) if calls else 0.0,
             "right_share": round(right / calls, 4) if calls else 0.0, "turns": turns, "turns_right": turns_ok,
-            "examples": examples}
+            "errors": errors, "examples": examples}

@@ -12,14 +12,24 @@ Task file: a JSON list of tasks (or one task per line, JSONL). A task:
         {"user": "What is the weather in Paris?",
          "expected": [{"name": "get_weather", "arguments": {"city": "Paris"}}],
          "results": ["sunny, 21 C"]}           # optional: the tool results fed back, per call
+         # optional "answer": the text that ends the turn after the results; with "expected": []
+         # the turn is answered without a tool (the constrained runner writes no call for it)
       ]
     }
 
 Each turn: the user message, then one assistant message with as many constrained calls as the
 turn expects (the name among the task's tools, the arguments by that tool's schema with default
-bounds added), then one tool message per call (`results[k]`, or "ok"). A call is right when its
-name is the expected name and its parsed arguments equal the expected ones (JSON equality: key
-order does not matter, 1 == 1.0); a task is right when all its calls are.
+bounds added), then one tool message per call (`results[k]`, or "ok").
+
+Scoring, per call: **name** right; **arguments** right when every expected value is there and
+equal (JSON equality: key order does not matter, 1 == 1.0) and nothing else is, except that an
+argument the tool does not require may be left out; **exact** when the arguments equal the
+expected ones as written; and per value (each expected argument). A task is right when all its
+calls are (arguments right), exact when all are exact.
+
+A bad task (not an object, no tools, a schema the runner refuses, a malformed turn, a JSONL line
+that is not JSON, a constrained gen the server refuses) is an error for that task, reported with
+its index and reason in `errors`, counted among the tasks and not solved; the others still run.
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ from pathlib import Path
 
 import sglang as sgl
 
-from cedar.frontend.calls import gen_call
+from cedar.frontend.calls import ConstrainedCallError, gen_call
 from cedar.frontend.chat import system_text, tool
 from cedar.frontend.endpoint import label
 from cedar.frontend.tools import ToolRegistry
@@ -41,6 +51,16 @@ class TaskFileError(ValueError):
 
 
 @dataclass(frozen=True)
+class TaskError:
+    """A task that could not be run: where it is in its file, its name if it has one, and why."""
+
+    index: int
+    name: str | None
+    reason: str
+    stage: str = "check"  # "check": refused before running; "run": stopped while running
+
+
+@dataclass(frozen=True)
 class CallScore:
     turn: int
     index: int
@@ -48,43 +68,111 @@ class CallScore:
     got_name: str
     got_arguments: str
     name_ok: bool
-    arguments_ok: bool
+    arguments_ok: bool  # every value right; an argument the tool does not require may be left out
+    exact: bool = False  # the arguments equal the expected ones as written
+    values: int = 0  # expected argument values
+    values_ok: int = 0  # of them given and equal (under the right name)
 
     @property
     def ok(self) -> bool:
         return self.name_ok and self.arguments_ok
 
 
+@dataclass(frozen=True)
+class TaskSet:
+    """A task file read leniently: the tasks that passed the checks (with their index in the
+    file) and the errors of those that did not."""
+
+    tasks: list[dict]
+    indices: list[int]
+    errors: list[TaskError]
+
+
 def load_tasks(path: Path) -> list[dict]:
+    """Every task of a file; raises TaskFileError at the first bad one (`read_tasks` does not)."""
+    ts = read_tasks(path)
+    if ts.errors:
+        e = ts.errors[0]
+        raise TaskFileError(f"{path}[{e.index}]: {e.reason}")
+    return ts.tasks
+
+
+def read_tasks(path: Path) -> TaskSet:
+    """A task file (JSON list, one JSON task, or JSONL) with each bad task kept as its error.
+    Raises TaskFileError only when the file holds no JSON at all."""
     text = Path(path).read_text()
     try:
-        tasks = json.loads(text)
-    except json.JSONDecodeError:
-        try:
-            tasks = [json.loads(line) for line in text.splitlines() if line.strip()]
-        except json.JSONDecodeError as e:
+        items = json.loads(text)
+        items = items if isinstance(items, list) else [items]
+    except json.JSONDecodeError as e:
+        lines = [line for line in text.splitlines() if line.strip()]
+        items = []
+        for line in lines:
+            try:
+                items.append(json.loads(line))
+            except json.JSONDecodeError as le:
+                items.append(TaskError(len(items), None, f"not JSON: {le}"))
+        if all(isinstance(x, TaskError) for x in items):
             raise TaskFileError(f"{path}: neither JSON nor JSONL: {e}") from None
-    tasks = tasks if isinstance(tasks, list) else [tasks]
-    for i, task in enumerate(tasks):
-        check_task(task, f"{path}[{i}]")
-    return tasks
+    return check_tasks(items)
+
+
+def check_tasks(items: list) -> TaskSet:
+    tasks, indices, errors, seen = [], [], [], {}
+    for i, item in enumerate(items):
+        if isinstance(item, TaskError):
+            errors.append(item)
+            continue
+        try:
+            check_task(item, f"task {i}")
+            if item["name"] in seen:
+                raise TaskFileError(f"task {i}: the name {item['name']!r} is task {seen[item['name']]}'s too")
+        except (TaskFileError, ValueError) as e:
+            name = item.get("name") if isinstance(item, dict) and isinstance(item.get("name"), str) else None
+            errors.append(TaskError(i, name, str(e)))
+            continue
+        seen[item["name"]] = i
+        tasks.append(item)
+        indices.append(i)
+    return TaskSet(tasks, indices, errors)
 
 
 def check_task(task: dict, where: str) -> None:
+    """Raise TaskFileError for a task the runner cannot run (a schema the tool registry refuses included)."""
     if not isinstance(task, dict) or not isinstance(task.get("name"), str):
         raise TaskFileError(f"{where}: a task is an object with a string 'name'")
-    if not isinstance(task.get("tools"), list) or not task["tools"]:
+    if not isinstance(task.get("tools"), list) or not task["tools"] or \
+            not all(isinstance(t, dict) for t in task["tools"]):
         raise TaskFileError(f"{where}: 'tools' must be a non-empty list of OpenAI tools")
+    try:
+        ToolRegistry.from_openai(task["tools"])
+    except ValueError as e:
+        raise TaskFileError(f"{where}: a tool the runner refuses: {e}") from None
     names = {t.get("function", t).get("name") for t in task["tools"]}
     if not isinstance(task.get("turns"), list) or not task["turns"]:
         raise TaskFileError(f"{where}: 'turns' must be a non-empty list")
     for j, turn in enumerate(task["turns"]):
-        if not isinstance(turn.get("user"), str) or not isinstance(turn.get("expected"), list):
-            raise TaskFileError(f"{where}.turns[{j}]: needs 'user' (string) and 'expected' (list)")
+        if not isinstance(turn, dict) or not isinstance(turn.get("user"), str) or \
+                not isinstance(turn.get("expected"), list) or \
+                not (turn["expected"] or isinstance(turn.get("answer"), str)):  # [] + answer: no tool
+            raise TaskFileError(f"{where}.turns[{j}]: needs 'user' (string) and 'expected' (non-empty list, "
+                                "or [] with a text 'answer')")
         for call in turn["expected"]:
-            if call.get("name") not in names or not isinstance(call.get("arguments"), dict):
+            if not isinstance(call, dict) or call.get("name") not in names or not isinstance(call.get("arguments"), dict):
                 raise TaskFileError(f"{where}.turns[{j}]: expected call {call} names no listed tool "
                                     "or has no 'arguments' object")
+        results = turn.get("results")
+        if results is not None and (not isinstance(results, list) or not all(isinstance(r, str) for r in results)):
+            raise TaskFileError(f"{where}.turns[{j}]: 'results' must be a list of strings")
+
+
+def required_arguments(tools: list[dict]) -> dict[str, frozenset]:
+    """Per tool name, the arguments its schema requires (JSON Schema: none unless listed)."""
+    out = {}
+    for t in tools:
+        f = t.get("function", t)
+        out[f["name"]] = frozenset((f.get("parameters") or {}).get("required") or ())
+    return out
 
 
 def same_json(a, b) -> bool:
@@ -100,46 +188,93 @@ def same_json(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
-def score_call(turn: int, index: int, expected: dict, name: str, arguments: str) -> CallScore:
+def arguments_match(got, expected: dict, required: frozenset | None = None) -> tuple[bool, int]:
+    """(every value right, an unrequired one possibly left out; expected values given and equal).
+    `required` None: every expected argument is required."""
+    if not isinstance(got, dict):
+        return False, 0
+    values_ok = sum(k in got and same_json(got[k], v) for k, v in expected.items())
+    need = set(expected) if required is None else set(expected) & set(required)
+    ok = set(got) <= set(expected) and need <= set(got) and all(same_json(got[k], expected[k]) for k in got)
+    return ok, values_ok
+
+
+def score_call(turn: int, index: int, expected: dict, name: str, arguments: str,
+               required: frozenset | None = None) -> CallScore:
     try:
         parsed = json.loads(arguments)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, TypeError):
         parsed = None
     name_ok = name == expected["name"]
-    return CallScore(turn, index, expected, name, arguments, name_ok,
-                     name_ok and same_json(parsed, expected["arguments"]))
+    args_ok, values_ok = arguments_match(parsed, expected["arguments"], required)
+    return CallScore(turn, index, expected, name, arguments, name_ok, name_ok and args_ok,
+                     name_ok and same_json(parsed, expected["arguments"]), len(expected["arguments"]),
+                     values_ok if name_ok else 0)
 
 
-def summarize(per_task: dict[str, list[CallScore]]) -> dict:
+def share(n: int, total: int) -> float:
+    return round(n / total, 4) if total else 0.0
+
+
+def summarize(per_task: dict[str, list[CallScore]], errors: list[TaskError] = ()) -> dict:
+    """Per call (name, arguments, exact, values) and per task; a task with an error counts as
+    a task, never as solved, and is listed with its index and reason."""
     calls = [c for scores in per_task.values() for c in scores]
-    return {"tasks": len(per_task), "tasks_ok": sum(all(c.ok for c in s) for s in per_task.values()),
-            "calls": len(calls), "calls_ok": sum(c.ok for c in calls),
-            "names_ok": sum(c.name_ok for c in calls),
-            "call_accuracy": round(sum(c.ok for c in calls) / len(calls), 4) if calls else 0.0,
-            "task_accuracy": round(sum(all(c.ok for c in s) for s in per_task.values()) / len(per_task), 4)
-            if per_task else 0.0,
+    failed = {e.name for e in errors if e.stage == "run"}
+    ran = {k: v for k, v in per_task.items() if k not in failed}
+    tasks = len(ran) + len(errors)
+    tasks_ok = sum(all(c.ok for c in s) for s in ran.values())  # a task with no call has nothing wrong
+    tasks_exact = sum(all(c.exact for c in s) for s in ran.values())
+    values = sum(c.values for c in calls)
+    return {"tasks": tasks, "tasks_ok": tasks_ok, "tasks_exact": tasks_exact, "task_errors": len(errors),
+            "calls": len(calls), "names_ok": sum(c.name_ok for c in calls), "calls_ok": sum(c.ok for c in calls),
+            "calls_exact": sum(c.exact for c in calls), "values": values,
+            "values_ok": sum(c.values_ok for c in calls),
+            "name_accuracy": share(sum(c.name_ok for c in calls), len(calls)),
+            "call_accuracy": share(sum(c.ok for c in calls), len(calls)),
+            "exact_accuracy": share(sum(c.exact for c in calls), len(calls)),
+            "value_accuracy": share(sum(c.values_ok for c in calls), values),
+            "task_accuracy": share(tasks_ok, tasks),
+            "errors": [asdict(e) for e in errors],
             "per_task": {k: [asdict(c) | {"ok": c.ok} for c in v] for k, v in per_task.items()}}
 
 
 @sgl.function
 def function_calling(s, task: dict, temperature: float = 0.0):
-    """One task: returns its list of CallScore."""
+    """One task: returns {"scores": [CallScore, ...], "error": None or why it stopped}; a gen the
+    server refuses ends the task with its error, not the batch."""
     label(s, task["name"])
     registry = ToolRegistry.from_openai(task["tools"])
+    required = required_arguments(task["tools"])
     s += sgl.system(system_text(task.get("system"), registry.openai_tools()))
     scores = []
-    for t, turn in enumerate(task["turns"]):
-        s += sgl.user(turn["user"])
-        s += sgl.assistant_begin()
-        calls = [gen_call(s, registry, f"t{t}c{k}", temperature=temperature) for k in range(len(turn["expected"]))]
-        s += sgl.assistant_end()
-        results = turn.get("results") or []
-        for k, (call, expected) in enumerate(zip(calls, turn["expected"])):
-            scores.append(score_call(t, k, expected, call.name, call.arguments))
-            s += tool(results[k] if k < len(results) else "ok")
-    return scores
+    try:
+        for t, turn in enumerate(task["turns"]):
+            s += sgl.user(turn["user"])
+            s += sgl.assistant_begin()
+            calls = [gen_call(s, registry, f"t{t}c{k}", temperature=temperature)
+                     for k in range(len(turn["expected"]))]
+            s += sgl.assistant_end()
+            results = turn.get("results") or []
+            for k, (call, expected) in enumerate(zip(calls, turn["expected"])):
+                scores.append(score_call(t, k, expected, call.name, call.arguments, required[expected["name"]]))
+                s += tool(results[k] if k < len(results) else "ok")
+    except ConstrainedCallError as e:
+        return {"scores": scores, "error": str(e)[:300]}
+    return {"scores": scores, "error": None}
 
 
-def run_tasks(tasks: list[dict], backend, temperature: float = 0.0) -> dict:
-    states = function_calling.run_batch([dict(task=t, temperature=temperature) for t in tasks], backend=backend)
-    return summarize({t["name"]: st.ret_value for t, st in zip(tasks, states)})
+def run_tasks(tasks: list | TaskSet, backend, temperature: float = 0.0) -> dict:
+    """Check every task (a list) or take a file's checked `TaskSet`, run the good ones as one
+    batch and score them; the bad ones are errors in the summary."""
+    ts = tasks if isinstance(tasks, TaskSet) else check_tasks(tasks)
+    errors = list(ts.errors)
+    states = function_calling.run_batch([dict(task=t, temperature=temperature) for t in ts.tasks],
+                                        backend=backend) if ts.tasks else []
+    per_task = {}
+    for i, t, st in zip(ts.indices, ts.tasks, states):
+        out = st.ret_value
+        per_task[t["name"]] = out["scores"]
+        if out["error"]:
+            errors.append(TaskError(i, t["name"], out["error"], "run"))
+    return summarize(per_task, sorted(errors, key=lambda e: e.index))

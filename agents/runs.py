@@ -56,10 +56,11 @@ def run_subagents(backend, task: dict | None) -> dict:
     return {"session": state.ret_value.to_json(), "text": state.text(), "child_texts": state["child_texts"]}
 
 
-def run_function_calling(backend, task: dict | list | None) -> dict:
-    tasks = task if isinstance(task, list) else [task] if task else fc.load_tasks(TASKS_DIR / "function_calling.json")
-    for i, t in enumerate(tasks):
-        fc.check_task(t, f"task {i}")
+def run_function_calling(backend, task: dict | list | fc.TaskSet | None) -> dict:
+    """A task, a task list or a file's `TaskSet` (default: the example file); a bad task is an
+    error in `scores["errors"]`, the others still run."""
+    tasks = task if isinstance(task, (list, fc.TaskSet)) else [task] if task else \
+        fc.read_tasks(TASKS_DIR / "function_calling.json")
     return {"scores": fc.run_tasks(tasks, backend)}
 
 
@@ -74,11 +75,12 @@ AGENTS: dict[str, Callable] = {
 
 def load_task(name: str, path: str | None):
     """The task for agent `name` from a file: a task file (see `function_calling`) for the
-    function-calling runner, one JSON object of the agent's inputs for the others."""
+    function-calling runner, read leniently (a bad task is kept as its error), one JSON object of
+    the agent's inputs for the others."""
     if path is None:
         return None
     if name == "function-calling":
-        return fc.load_tasks(Path(path))
+        return fc.read_tasks(Path(path))
     try:
         task = json.loads(Path(path).read_text())
     except json.JSONDecodeError as e:

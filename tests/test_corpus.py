@@ -1,20 +1,29 @@
 """The generated corpus: Cedar's own agent programs driven by a scripted policy, with real tools."""
 
+import json
 import random
+import re
+from pathlib import Path
 
+import numpy as np
 import pytest
 
-from cedar.agents.corpus.build import (HELDOUT, TRAIN_MIX, CorpusError, build_corpus, make_tasks, prompt_key,
-                                       run_scripted, split_at_gens, tokenize_corpus, train_tasks)
+from cedar.agents.corpus.bugs import BUG_KINDS, make_bug
+from cedar.agents.corpus.build import (HELDOUT, TRAIN_MIX, CorpusError, build_corpus, encode_session, make_tasks,
+                                       prompt_key, run_scripted, split_at_gens, tokenize_corpus, train_tasks,
+                                       value_at)
+from cedar.agents.corpus.common import side
+from cedar.agents.corpus.copying import CopyStats, copy_stats
+from cedar.agents.corpus.schemas import FRAMES, catalogue, loop_text, sample_value
 from cedar.agents.corpus.scripted import ScriptedBackend, ScriptError
-from cedar.agents.corpus.tasks import GENERATORS, recall_task
-from cedar.backend.chat_template import CALL_HEAD
+from cedar.agents.corpus.tasks import GENERATORS, QUESTIONS, recall_task
+from cedar.backend.chat_template import CALL_HEAD, tool_call_text
 from cedar.backend.tokenizer import build_tokenizer
 
 
 @pytest.mark.parametrize("kind", sorted(GENERATORS))
 def test_every_generator_runs_its_agent_to_the_expected_outcome(kind):
-    for task in make_tasks(11, "train", {kind: 3}):
+    for task in make_tasks(11, "train", {kind: 3}) + make_tasks(11, "heldout", {kind: 2}):
         texts = run_scripted(task)  # raises CorpusError unless the run ends as expected
         assert texts and all(t.startswith("<|bos|><|system|>") for t in texts)
         main = max(texts, key=len)
@@ -92,3 +101,193 @@ def test_scripted_backend_keeps_fork_branch_texts():
     AGENTS["parallel"](backend, task.inputs)
     texts = backend.texts()
     assert sum("\n[0] " in t for t in texts) >= 1 and sum("\n[1] " in t for t in texts) >= 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Held-out templates, copying-friendly text, values, loss weights, loops that end
+# ---------------------------------------------------------------------------------------------
+
+SHIPPED_TOKENIZER = Path(__file__).resolve().parents[1] / "models" / "cedar-agent"
+
+
+def _frame_regex(frame: str) -> re.Pattern:
+    """A phrasing with its fields as wildcards."""
+    parts = re.split(r"\{\w+\}", frame)
+    return re.compile("(.+)".join(re.escape(p) for p in parts))
+
+
+@pytest.fixture(scope="module")
+def splits():
+    counts = {"function-calling": 300, "coding": 200, "react": 200, "recall": 40, "parallel": 40, "subagents": 40}
+    return {split: make_tasks(4, split, counts) for split in ("train", "in-template", "heldout")}
+
+
+def test_no_heldout_template_appears_in_the_training_split(splits):
+    train = splits["train"] + splits["in-template"]
+    held = splits["heldout"]
+    assert not {t.template for t in train} & {t.template for t in held}
+    assert all(t.template.startswith(t.kind + "/") for t in train + held)
+    # bug kinds: the training split shows none of the held-out kinds, the held-out split only those
+    held_kinds = set(side(list(BUG_KINDS), True))
+    assert {t.expect["bug_kind"] for t in held if t.kind == "coding"} == held_kinds
+    assert {t.expect["bug_kind"] for t in train if t.kind == "coding"} == set(BUG_KINDS) - held_kinds
+    # tool schemas: no held-out tool name, parameter-name set, parameter name or enum value in training
+    def schema_facts(tasks):
+        names, sets, params, enums = set(), set(), set(), set()
+        for t in tasks:
+            for tool in t.inputs.get("tools", []) if t.kind == "function-calling" else []:
+                f = tool["function"]
+                names.add(f["name"])
+                props = f["parameters"]["properties"]
+                sets.add(frozenset(props))
+                params.update(props)
+                enums.update(v for p in props.values() for v in p.get("enum", p.get("items", {}).get("enum", [])))
+        return names, sets, params, enums
+    for a, b in zip(schema_facts(train), schema_facts(held)):
+        assert a and b and not a & b
+    assert len(schema_facts(train)[0]) >= 200 and len(schema_facts(held)[0]) >= 60  # hundreds of schemas
+    # phrasings: no training request or question matches a held-out phrasing
+    held_frames = [_frame_regex(f) for f in side(FRAMES, True)]
+    train_frames = [_frame_regex(f) for f in side(FRAMES, False)]
+    single = lambda tasks: [turn["user"] for t in tasks if t.kind == "function-calling"  # noqa: E731
+                            for turn in t.inputs["turns"] if len(turn["expected"]) == 1]
+    assert not [u for u in single(train) if any(r.fullmatch(u) for r in held_frames)]
+    assert all(any(r.fullmatch(u) for r in held_frames) for u in single(held))
+    assert all(any(r.fullmatch(u) for r in train_frames) for u in single(train))
+    for form, questions in QUESTIONS.items():
+        held_q = [_frame_regex(q) for q in (questions if form == "compare" else side(questions, True))]
+        assert not [t for t in train if t.kind == "react" and any(r.fullmatch(t.inputs["question"]) for r in held_q)]
+    assert {t.template for t in held if t.kind == "react"} >= {"react/compare"}
+    # fact bases: no held-out entity in training
+    entities = lambda tasks: {v for t in tasks if t.kind in ("react", "parallel", "subagents")  # noqa: E731
+                              for v in t.values if v.isalpha()}
+    assert len(entities(held)) >= 100
+    assert not entities(train) & entities(held)
+    # the in-template split: new tasks of the training templates
+    trained = {t.template for t in splits["train"]} | {f"coding/{k}" for k in set(BUG_KINDS) - held_kinds} | \
+        {f"function-calling/schema:{s.name}" for s in catalogue(False)}
+    assert {t.template for t in splits["in-template"]} <= trained
+    assert not {prompt_key(t) for t in splits["in-template"]} & {prompt_key(t) for t in splits["train"]}
+    with pytest.raises(ValueError, match="unknown split"):
+        make_tasks(0, "test", {"react": 1})
+
+
+def test_every_bug_kind_fails_its_test_until_the_fix():
+    from cedar.agents.outcome import run_test
+
+    rng = random.Random(0)
+    assert len(BUG_KINDS) >= 16 and len(side(list(BUG_KINDS), True)) >= 4
+    for kind in BUG_KINDS:
+        bug = make_bug(rng, kind)
+        call_text = f"{bug.func}({', '.join(map(repr, bug.args))})"
+        test = f"from m import {bug.func}\nassert {call_text} == {bug.want!r}\n"
+        src = bug.source() + ("\n" + bug.extra if bug.extra else "")
+        assert src.count(bug.bad) == 1 and len(bug.bad) <= 40 and len(bug.good) <= 40
+        assert not run_test({"m.py": src, "t.py": test}, "t.py").passed, kind
+        assert run_test({"m.py": src.replace(bug.bad, bug.good), "t.py": test}, "t.py").passed, kind
+
+
+def test_function_calling_turns_end_with_a_text_answer_and_some_need_no_tool():
+    tasks = make_tasks(2, "train", {"function-calling": 60})
+    no_tool = parallel_calls = multi_turn = 0
+    for task in tasks:
+        text = run_scripted(task)[0]
+        assert text == loop_text(task.inputs)
+        turns = task.inputs["turns"]
+        multi_turn += len(turns) > 1
+        for turn in turns:
+            assert isinstance(turn["answer"], str) and turn["answer"]
+            parallel_calls += len(turn["expected"]) > 1
+            if not turn["expected"]:
+                no_tool += 1
+                assert f"<|user|>{turn['user']}<|end|><|assistant|>{turn['answer']}<|end|>" in text
+            else:  # the results, then the answer that ends the turn
+                assert "".join(f"<|tool|>{r}<|end|>" for r in turn["results"]) + \
+                    f"<|assistant|>{turn['answer']}<|end|>" in text
+    assert no_tool >= 3 and parallel_calls >= 5 and multi_turn >= 20
+
+
+def test_a_call_that_breaks_its_schema_is_a_corpus_error():
+    task = make_tasks(5, "train", {"function-calling": 1})[0]
+    tools = {t["function"]["name"]: t["function"]["parameters"] for t in task.inputs["tools"]}
+    call_ = task.inputs["turns"][0]["expected"][0]
+    key = next(iter(call_["arguments"]))
+    call_["arguments"][key] = {"not": "allowed"}  # no schema here admits an object of that key
+    key0 = next(iter(task.script))
+    task.script[key0][1] = json.dumps(call_["arguments"])  # the script writes the broken call
+    assert key in tools[call_["name"]]["properties"]
+    with pytest.raises(CorpusError, match="invalid arguments"):
+        run_scripted(task)
+
+
+def test_values_are_drawn_uniformly_from_their_schema():
+    rng = random.Random(1)
+    positions, enum_hits = [], {}
+    for schema in catalogue(False)[:200]:
+        for p in schema.params:
+            for _ in range(5):
+                v = sample_value(rng, p)
+                if p.kind in ("integer", "number"):
+                    lo, hi = p.schema["minimum"], p.schema["maximum"]
+                    assert lo <= v <= hi
+                    positions.append((v - lo) / (hi - lo))
+                elif p.kind == "enum":
+                    enum_hits.setdefault(p.name + schema.name, []).append(p.schema["enum"].index(v))
+    bins = np.histogram(positions, bins=4, range=(0, 1))[0] / len(positions)
+    assert len(positions) > 500 and bins.min() > 0.18 and bins.max() < 0.32, bins
+    firsts = [hits.count(0) / len(hits) for hits in enum_hits.values()]
+    assert 0.15 < np.mean(firsts) < 0.5  # the first enum member is no favourite
+
+
+@pytest.mark.skipif(not (SHIPPED_TOKENIZER / "tokenizer.json").is_file(), reason="no shipped tokenizer")
+def test_copied_values_tokenize_as_where_they_are_stated():
+    """With the shipped tokenizer, most values copied into a call have the same tokens where the
+    user or a tool stated them; a value stated without its quotes would not (the check can fail)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(SHIPPED_TOKENIZER / "tokenizer.json"))
+    for kind, floor in (("function-calling", 0.85), ("react", 0.75), ("recall", 0.95), ("parallel", 0.95),
+                        ("subagents", 0.9)):
+        stats = CopyStats()
+        for split in ("train", "heldout"):
+            for task in make_tasks(6, split, {kind: 12}):
+                copy_stats([{"kind": kind, "text": x, "values": task.values} for x in run_scripted(task)], tok, stats)
+        assert stats.copies >= 12 and stats.share >= floor, (kind, stats.to_json())
+    schema = catalogue(False)[0]
+    call_text = tool_call_text(schema.name, {"city": "Oslo"})
+    quoted = copy_stats([{"kind": "x", "text": f'<|user|>Go to "Oslo".<|end|><|assistant|>{call_text}<|end|>'}], tok)
+    bare = copy_stats([{"kind": "x", "text": f"<|user|>Go to Oslo.<|end|><|assistant|>{call_text}<|end|>"}], tok)
+    assert (quoted.copies, quoted.same, bare.copies, bare.same) == (1, 1, 1, 0)
+
+
+def test_a_random_values_first_statement_carries_no_loss(tmp_path):
+    from cedar.backend.training.trainer import UNTRAINED
+    from tokenizers import Tokenizer
+
+    task = next(t for t in make_tasks(8, "train", {"function-calling": 10})
+                if any(isinstance(v, int) and v > 99 for turn in t.inputs["turns"] for c in turn["expected"]
+                       for v in c["arguments"].values()))
+    session = {"kind": task.kind, "text": run_scripted(task)[0], "values": task.values}
+    build_tokenizer(tmp_path, 600, corpus=[session["text"]], markup_tokens=True)
+    arrays = tokenize_corpus([session], tmp_path)
+    plain = tokenize_corpus([{k: v for k, v in session.items() if k != "values"}], tmp_path)
+    assert (arrays["ids"] == plain["ids"]).all()
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    ids, offsets = encode_session(tok, session)
+    w = arrays["weight"]
+    checked = 0
+    for turn in task.inputs["turns"]:
+        for c in turn["expected"]:
+            for v in c["arguments"].values():
+                if not isinstance(v, int) or isinstance(v, bool):
+                    continue
+                first = value_at(session["text"], json.dumps(v))
+                toks = [j for j, (a, b) in enumerate(offsets) if a < first + len(json.dumps(v)) and b > first]
+                assert toks and all(w[j] == UNTRAINED for j in toks)  # stated in the user message: no loss
+                copy = value_at(session["text"], json.dumps(v), session["text"].index(CALL_HEAD + c["name"]))
+                toks = [j for j, (a, b) in enumerate(offsets) if a < copy + len(json.dumps(v)) and b > copy]
+                assert toks and all(w[j] == 1 for j in toks)  # copied into the call: full loss
+                checked += 1
+    assert checked
+    assert set(np.unique(plain["weight"])) <= {0, 1}  # without values nothing is UNTRAINED
+    assert (w == UNTRAINED).sum() > 0 and ((w == UNTRAINED) & (plain["weight"] == 1)).sum() == 0

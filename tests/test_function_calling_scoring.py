@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from cedar.agents.function_calling import TaskFileError, load_tasks, same_json, score_call, summarize
+from cedar.agents.function_calling import (TaskError, TaskFileError, load_tasks, read_tasks, same_json, score_call,
+                                           summarize)
 
 
 def test_same_json():
@@ -42,3 +43,65 @@ def test_task_files_load_and_bad_ones_are_refused(tmp_path):
     p.write_text("{not json")
     with pytest.raises(TaskFileError, match="neither JSON nor JSONL"):
         load_tasks(p)
+
+
+def test_per_call_figures_name_arguments_exact_values():
+    exp = {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}
+    optional = frozenset({"city"})
+    omitted = score_call(0, 0, exp, "get_weather", '{"city": "Oslo"}', optional)
+    assert omitted.ok and not omitted.exact and (omitted.values, omitted.values_ok) == (2, 1)
+    required = score_call(0, 0, exp, "get_weather", '{"city": "Oslo"}', frozenset({"city", "unit"}))
+    assert not required.ok and required.name_ok
+    wrong_value = score_call(0, 0, exp, "get_weather", '{"city": "Oslo", "unit": "fahrenheit"}', optional)
+    assert wrong_value.name_ok and not wrong_value.ok and wrong_value.values_ok == 1
+    extra = score_call(0, 0, exp, "get_weather", '{"city": "Oslo", "unit": "celsius", "days": 3}', optional)
+    assert not extra.ok and not extra.exact and extra.values_ok == 2
+    exact = score_call(0, 0, exp, "get_weather", '{"unit": "celsius", "city": "Oslo"}', optional)
+    assert exact.ok and exact.exact and exact.values_ok == 2
+    wrong_name = score_call(0, 0, exp, "get_time", '{"city": "Oslo", "unit": "celsius"}', optional)
+    assert not wrong_name.ok and not wrong_name.exact and wrong_name.values_ok == 0
+    s = summarize({"t1": [omitted, exact], "t2": [wrong_value]},
+                  [TaskError(2, "t3", "a tool the runner refuses: ...")])
+    assert (s["tasks"], s["tasks_ok"], s["tasks_exact"], s["task_errors"]) == (3, 1, 0, 1)
+    assert (s["calls"], s["calls_ok"], s["calls_exact"], s["values"], s["values_ok"]) == (3, 2, 1, 6, 4)
+    assert s["errors"] == [{"index": 2, "name": "t3", "reason": "a tool the runner refuses: ...", "stage": "check"}]
+
+
+def good_task(name):
+    return {"name": name, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["x"]}}}],
+            "turns": [{"user": f"x for {name}", "expected": [{"name": "f", "arguments": {"x": 3}}]}]}
+
+
+def test_a_task_file_with_bad_tasks_keeps_the_good_ones(tmp_path):
+    refused = good_task("refused")
+    refused["tools"][0]["function"]["parameters"]["properties"]["x"] = {}  # no type: unbounded
+    malformed = good_task("malformed")
+    malformed["turns"][0] = {"user": 3, "expected": []}
+    items = [good_task("a"), refused, malformed, "not a task", good_task("a"), good_task("b")]
+    p = tmp_path / "tasks.json"
+    p.write_text(json.dumps(items))
+    ts = read_tasks(p)
+    assert [t["name"] for t in ts.tasks] == ["a", "b"] and ts.indices == [0, 5]
+    assert [(e.index, e.name) for e in ts.errors] == [(1, "refused"), (2, "malformed"), (3, None), (4, "a")]
+    assert "refuses" in ts.errors[0].reason and "turns[0]" in ts.errors[1].reason and "task 0" in ts.errors[3].reason
+    with pytest.raises(TaskFileError, match=r"\[1\]: .*refuses"):
+        load_tasks(p)
+    jsonl = tmp_path / "t.jsonl"
+    jsonl.write_text(json.dumps(good_task("a")) + "\n{broken\n" + json.dumps(good_task("b")) + "\n")
+    ts = read_tasks(jsonl)
+    assert [t["name"] for t in ts.tasks] == ["a", "b"] and [(e.index, e.name) for e in ts.errors] == [(1, None)]
+    assert "not JSON" in ts.errors[0].reason
+
+
+def test_the_runner_scores_the_good_tasks_beside_a_bad_one():
+    from cedar.agents.corpus.scripted import ScriptedBackend
+    from cedar.agents.runs import run_function_calling
+
+    tasks = [good_task("a"), good_task("bad"), good_task("b")]
+    del tasks[1]["turns"]
+    backend = ScriptedBackend({("x for a", None): ['{"x":3}'], ("x for b", None): ['{"x":4}']})
+    sc = run_function_calling(backend, tasks)["scores"]
+    assert (sc["tasks"], sc["tasks_ok"], sc["task_errors"], sc["calls"], sc["calls_ok"]) == (3, 1, 1, 2, 1)
+    assert sc["errors"][0]["index"] == 1 and sc["errors"][0]["name"] == "bad"
+    assert [c["ok"] for c in sc["per_task"]["b"]] == [False]

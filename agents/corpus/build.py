@@ -4,13 +4,17 @@
    `ScriptedBackend`: real tools, real sandboxes, the served chat markup. A run whose outcome is
    not the task's `expect` (or whose script is not used up) is an error, never silently kept.
 2. Plain code: Python standard-library sources of this machine (PSF licence), a tenth of the text.
-3. A held-out split: tasks drawn from their own seed stream (`"heldout"`), written to
-   `heldout.json`; a training task whose prompt equals a held-out one is dropped.
+3. A held-out split: tasks drawn only from held-out templates (`common.py`: bug kinds, tool
+   schemas, fact bases and phrasings no training task uses), written to `heldout.json`; a
+   training task whose prompt equals a held-out one is dropped.
+
+Function-calling sessions are the conversation as an OpenAI-API loop renders it: the calls, their
+results, and a text answer that ends each turn (`schemas.loop_text`).
 
 `tokenize_corpus` then cuts every session at the boundaries of its gens (a thought, a tool name,
 its arguments) and tokenizes the pieces apart, exactly as `CedarEndpoint` sends a session to the
-server (the context as text, each gen's output as its own tokens), and marks assistant tokens for
-full loss weight.
+server (the context as text, each gen's output as its own tokens), marks assistant tokens for
+full loss weight, and a random value's first statement for none.
 """
 
 from __future__ import annotations
@@ -29,7 +33,10 @@ from cedar.backend.tokenizer import END, ROLE_MARKERS
 
 from cedar.frontend.calls import ConstrainedCallError
 
+from ..outcome import outcome_ok
 from ..runs import AGENTS
+from .common import check_split
+from .schemas import check_calls, loop_text
 from .scripted import ScriptedBackend
 from .tasks import GENERATORS, Task
 
@@ -46,14 +53,19 @@ class CorpusError(RuntimeError):
 
 
 def make_tasks(seed: int, split: str, counts: dict[str, int]) -> list[Task]:
+    """`counts[kind]` tasks of each kind for `split` (see `common.SPLITS`): ``"heldout"`` draws only
+    held-out templates; ``"train"`` and ``"in-template"`` only training templates, each from its
+    own seed stream. Deterministic from (seed, split, kind, index)."""
+    heldout = check_split(split)
     tasks = []
     for kind, n in counts.items():
+        if kind not in GENERATORS:
+            raise ValueError(f"unknown task kind {kind!r}; kinds: {', '.join(GENERATORS)}")
         for i in range(n):
-            rng = random.Random(f"{seed}:{split}:{kind}:{i}")
-            gen = GENERATORS[kind]
-            tasks.append(gen(rng, i) if kind == "function-calling" else gen(rng))
+            task = GENERATORS[kind](random.Random(f"{seed}:{split}:{kind}:{i}"), heldout, i)
             if kind == "function-calling":
-                tasks[-1].inputs["name"] = f"{split}-fc-{i}"
+                task.inputs["name"] = f"{split}-fc-{i}"
+            tasks.append(task)
     return tasks
 
 
@@ -64,7 +76,11 @@ def prompt_key(task: Task) -> str:
 
 
 def run_scripted(task: Task) -> list[str]:
-    """Run one task's agent on its script; returns the texts of every program it ran."""
+    """Run one task's agent on its script; returns the texts of every program it ran.
+
+    A function-calling task's program text must equal `loop_text(inputs, answers=False)` (the
+    served markup) and its calls must validate; what is returned is the conversation with the
+    turns' text answers (`loop_text`), as an OpenAI-API loop that ends its turns renders it."""
     backend = ScriptedBackend(task.script)
     try:
         result = AGENTS[task.agent](backend, task.inputs)
@@ -74,18 +90,16 @@ def run_scripted(task: Task) -> list[str]:
         raise CorpusError(f"{task.kind}: unused script answers {backend.leftover()}")
     if not outcome_ok(task, result):
         raise CorpusError(f"{task.kind}: the scripted run did not reach {task.expect}: {json.dumps(result)[:400]}")
-    return backend.texts()
-
-
-def outcome_ok(task: Task, result: dict) -> bool:
-    """Did a run (scripted, or a model's) end as the task expects?"""
+    texts = backend.texts()
     if task.agent == "function-calling":
-        return result["scores"]["task_accuracy"] == 1.0
-    if task.agent == "coding":
-        module = task.inputs["instruction"].split("Fix ")[1].split(" ")[0]
-        return task.expect["fixed_line"] in result["files_after"].get(module, "") and \
-            result["session"]["answer"] is not None
-    return (result["session"].get("answer") or "").strip() == task.expect["answer"]
+        try:
+            check_calls(task.inputs)
+        except ValueError as e:
+            raise CorpusError(f"{task.template}: {e}") from None
+        if texts != [loop_text(task.inputs, answers=False)]:
+            raise CorpusError(f"{task.template}: the program's text is not the task's conversation")
+        return [loop_text(task.inputs)]
+    return texts
 
 
 def plain_texts(max_chars: int, piece_chars: int = 3000) -> list[str]:
@@ -120,7 +134,7 @@ def build_corpus(seed: int = 0, scale: float = 1.0, log=print) -> Corpus:
     train = train_tasks(seed, scale, heldout)
     sessions = []
     for i, task in enumerate(train):
-        sessions += [{"kind": task.kind, "text": t} for t in run_scripted(task)]
+        sessions += [{"kind": task.kind, "text": t, "values": task.values} for t in run_scripted(task)]
         if log and (i + 1) % 500 == 0:
             log(f"[corpus] {i + 1}/{len(train)} scripted sessions")
     chars = sum(len(s["text"]) for s in sessions)
@@ -141,16 +155,43 @@ def load_sessions(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "train.jsonl").open()]
 
 
+def encode_session(tok, session: dict) -> tuple[list[int], list[tuple[int, int]]]:
+    """A session's token ids and each token's (start, end) characters in its text, cut at its
+    gens as `split_at_gens` cuts it (plain text in one piece)."""
+    text = session["text"]
+    parts = split_at_gens(text) if session["kind"] != "plain" else [text]
+    ids, offsets, base = [], [], 0
+    for part, enc in zip(parts, tok.encode_batch(parts, add_special_tokens=False)):
+        ids += enc.ids
+        offsets += [(base + a, base + b) for a, b in enc.offsets]
+        base += len(part)
+    return ids, offsets
+
+
+def value_at(text: str, value: str, start: int = 0) -> int:
+    """Where `value` first occurs in `text` from `start` as a whole value (not inside a longer
+    word or number), or -1."""
+    m = re.compile(r"(?<![0-9A-Za-z.])" + re.escape(value) + r"(?![0-9A-Za-z])").search(text, start)
+    return m.start() if m else -1
+
+
 def tokenize_corpus(sessions: list[dict], tokenizer_dir: Path) -> dict[str, np.ndarray]:
-    """-> {"ids": (N,) uint16, "weight": (N,) uint8 (1 = assistant token), "doc_start": (D+1,) int64}."""
+    """-> {"ids": (N,) uint16, "weight": (N,) uint8, "doc_start": (D+1,) int64}.
+
+    Weights (see `cedar.backend.training.trainer.loss_of`): 1 = assistant token (full loss);
+    0 = context (user, tool and system text, plain code: the trainer's small `context_weight`);
+    UNTRAINED = no loss: the tokens of a random value's first statement (a session's ``values``,
+    where the first occurrence is outside an assistant message): it is noise there, and only its
+    copies can be predicted."""
     from tokenizers import Tokenizer
+
+    from cedar.backend.training.trainer import UNTRAINED
 
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     start_id, end_id = tok.token_to_id(ROLE_MARKERS["assistant"]), tok.token_to_id(END)
     ids_all, weights, starts = [], [], [0]
     for s in sessions:
-        parts = split_at_gens(s["text"]) if s["kind"] != "plain" else [s["text"]]
-        ids = [i for enc in tok.encode_batch(parts, add_special_tokens=False) for i in enc.ids]
+        ids, offsets = encode_session(tok, s)
         w, inside = np.zeros(len(ids), np.uint8), False
         for j, t in enumerate(ids):
             if t == start_id:
@@ -159,6 +200,18 @@ def tokenize_corpus(sessions: list[dict], tokenizer_dir: Path) -> dict[str, np.n
                 w[j] = 1
                 if t == end_id:
                     inside = False
+        if s.get("values"):
+            ends = np.asarray([b for _, b in offsets])
+            for value in s["values"]:
+                at = value_at(s["text"], value)
+                if at < 0:
+                    continue
+                lo = int(np.searchsorted(ends, at, side="right"))  # first token ending after `at`
+                hi = lo
+                while hi < len(ids) and offsets[hi][0] < at + len(value):
+                    hi += 1
+                if not w[lo:hi].any():  # a statement (not an assistant's copy)
+                    w[lo:hi] = UNTRAINED
         ids_all.append(np.asarray(ids, np.uint16))
         weights.append(w)
         starts.append(starts[-1] + len(ids))

@@ -1,0 +1,160 @@
+"""The OpenAI-API agent loop, as a client application runs one: `/v1/chat/completions` through the
+`openai` client with a function-calling task's tools and `tool_choice: "auto"` (nothing
+constrains the output), greedy.
+
+Per user turn of the task: send the conversation; while the reply has tool calls, answer each
+with a `tool` message (the task's result for a call it expects, matched by name and values, each
+expected call answered once; any other call gets an error result) and ask again; a reply
+without tool calls is the turn's text answer. At most `max_requests` requests per turn: a turn
+that reaches it without a text answer has **hit the limit**.
+
+Scoring (`score_loop`, on the transcript alone): a loop **ends on its own** when every turn ends
+with a text answer (not empty, and not call markup the parser left in the text) before the limit;
+a task is **solved** when it ends on its own and in every turn the calls made are exactly the
+expected ones (the same multiset: names and values, an argument the tool does not require may
+be left out); **calls right** counts expected calls that were made.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from cedar.backend.chat_template import TOOL_CALL_BEGIN
+from cedar.frontend.tools import ToolRegistry
+
+from .function_calling import arguments_match, required_arguments
+
+MAX_REQUESTS = 6
+ERROR_RESULT = "error: this call failed (unknown request); check the tool and its arguments"
+
+
+@dataclass
+class LoopTurn:
+    """One user turn of a loop: what the model did, request by request."""
+
+    user: str
+    expected: list[dict]  # the task's expected calls for this turn
+    calls: list[dict] = field(default_factory=list)  # {"name", "arguments" (str as sent)} in order
+    answer: str | None = None  # the text reply that ended the turn; None if it never came
+    requests: int = 0
+    hit_limit: bool = False
+
+
+@dataclass(frozen=True)
+class LoopScore:
+    ended: bool  # every turn ended with a text answer before the limit
+    hit_limit: bool  # some turn used all its requests without a text answer
+    markup_answer: bool  # some "answer" was tool-call markup left unparsed
+    solved: bool
+    calls_expected: int
+    calls_right: int  # expected calls made (name and values)
+    calls_made: int
+
+
+def _match(call: dict, expected: list[dict], used: list[bool], required: dict[str, frozenset]) -> int | None:
+    """The index of the first unused expected call that `call` makes, or None."""
+    try:
+        args = json.loads(call["arguments"])
+    except (json.JSONDecodeError, TypeError):
+        return None
+    for i, exp in enumerate(expected):
+        if not used[i] and call["name"] == exp["name"] and \
+                arguments_match(args, exp["arguments"], required.get(exp["name"]))[0]:
+            return i
+    return None
+
+
+def is_text_answer(answer: str | None) -> bool:
+    return bool(answer and answer.strip()) and TOOL_CALL_BEGIN not in answer
+
+
+def score_loop(turns: list[LoopTurn], required: dict[str, frozenset] | None = None) -> LoopScore:
+    """Score one loop's transcript (see the module doc)."""
+    required = required or {}
+    right = made = total = 0
+    exact_turns = True
+    for t in turns:
+        used = [False] * len(t.expected)
+        for c in t.calls:
+            i = _match(c, t.expected, used, required)
+            if i is not None:
+                used[i] = True
+        right += sum(used)
+        made += len(t.calls)
+        total += len(t.expected)
+        exact_turns = exact_turns and all(used) and len(t.calls) == len(t.expected)
+    hit = any(t.hit_limit for t in turns)
+    markup = any(t.answer and TOOL_CALL_BEGIN in t.answer for t in turns)
+    ended = bool(turns) and not hit and all(is_text_answer(t.answer) for t in turns)
+    return LoopScore(ended, hit, markup, ended and exact_turns, total, right, made)
+
+
+def run_loop(client, model: str, task: dict, max_requests: int = MAX_REQUESTS) -> list[LoopTurn]:
+    """Run one function-calling task as an OpenAI-API loop; returns its transcript."""
+    registry = ToolRegistry.from_openai(task["tools"])
+    required = required_arguments(task["tools"])
+    tools = registry.openai_tools()
+    budget = 2 * max(t.max_tokens for t in registry.tools.values()) + 64
+    messages = [{"role": "system", "content": task["system"]}] if task.get("system") else []
+    out = []
+    for turn in task["turns"]:
+        t = LoopTurn(turn["user"], turn["expected"])
+        results = list(turn.get("results") or [])
+        used = [False] * len(turn["expected"])
+        messages.append({"role": "user", "content": turn["user"]})
+        while t.requests < max_requests:
+            reply = client.chat.completions.create(model=model, messages=messages, tools=tools, tool_choice="auto",
+                                                   temperature=0, max_tokens=budget).choices[0].message
+            t.requests += 1
+            calls = reply.tool_calls or []
+            if not calls:
+                t.answer = reply.content or ""
+                messages.append({"role": "assistant", "content": t.answer})
+                break
+            base = len(t.calls)
+            messages.append({"role": "assistant", "content": reply.content, "tool_calls": [
+                {"id": f"call_{base + k}", "type": "function",
+                 "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                for k, c in enumerate(calls)]})
+            for k, c in enumerate(calls):
+                call = {"name": c.function.name, "arguments": c.function.arguments}
+                t.calls.append(call)
+                i = _match(call, turn["expected"], used, required)
+                if i is not None:
+                    used[i] = True
+                content = (results[i] if i < len(results) else "ok") if i is not None else ERROR_RESULT
+                messages.append({"role": "tool", "tool_call_id": f"call_{base + k}", "content": content})
+        else:
+            t.hit_limit = True
+            messages.append({"role": "assistant", "content": ""})
+        out.append(t)
+    return out
+
+
+def run_loops(base_url: str, model: str, tasks: list[dict], max_requests: int = MAX_REQUESTS,
+              examples: int = 3) -> dict:
+    """Every task as a loop: how many end on their own, hit the limit, are solved; calls right;
+    a few transcripts (the first solved and unsolved ones). A task whose requests fail is an error."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url.rstrip("/") + "/v1", api_key="none")
+    scores, shown, errors = [], [], []
+    for i, task in enumerate(tasks):
+        try:
+            turns = run_loop(client, model, task, max_requests)
+        except Exception as e:  # noqa: BLE001 - a loop the server refused is an error for that task
+            errors.append({"index": i, "name": task.get("name"), "reason": repr(e)[:300]})
+            continue
+        sc = score_loop(turns, required_arguments(task["tools"]))
+        scores.append(sc)
+        if len(shown) < examples:
+            shown.append({"task": task.get("name"), "score": asdict(sc), "turns": [asdict(t) for t in turns]})
+    n = len(scores) + len(errors)
+    return {"loops": n, "ended": sum(s.ended for s in scores), "hit_limit": sum(s.hit_limit for s in scores),
+            "markup_answers": sum(s.markup_answer for s in scores), "solved": sum(s.solved for s in scores),
+            "calls_expected": sum(s.calls_expected for s in scores), "calls_right": sum(s.calls_right for s in scores),
+            "calls_made": sum(s.calls_made for s in scores), "max_requests_per_turn": max_requests,
+            "ended_share": round(sum(s.ended for s in scores) / n, 4) if n else 0.0,
+            "solved_share": round(sum(s.solved for s in scores) / n, 4) if n else 0.0,
+            "errors": errors, "examples": shown}

@@ -1,0 +1,173 @@
+"""`cedar evaluate`'s judges on hand-written right and wrong runs (no server): a coding task is
+solved only when its test passes on the files left; the OpenAI-API loop's scoring; one bad task
+does not stop the others (the evaluation and `cedar agent run function-calling`, the latter
+through a real server)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from cedar.agents.api_loop import LoopTurn, score_loop
+from cedar.agents.corpus.build import make_tasks
+from cedar.agents.corpus.scripted import ScriptedBackend
+from cedar.agents.corpus.tasks import Task
+from cedar.agents.evaluate import evaluate_tasks, template_of
+from cedar.agents.outcome import coding_test, outcome_ok, run_test
+
+BUGGY = "def add(a, b):\n    return a - b\n"
+TEST = "from calc import add\nassert add(2, 3) == 5, add(2, 3)\nprint('ok')\n"
+TASK = Task("coding", "coding", {"instruction": "The test in test_calc.py fails. Fix calc.py so that add(2, 3) == 5.",
+                                 "files": {"calc.py": BUGGY, "test_calc.py": TEST}},
+            expect={"test": "test_calc.py", "fixed_line": "return a + b"})
+
+
+def coding_result(calc: str, test: str = TEST) -> dict:
+    return {"files_after": {"calc.py": calc, "test_calc.py": test}, "session": {"answer": "fixed"}}
+
+
+def test_a_coding_task_is_solved_only_when_its_test_passes():
+    assert outcome_ok(TASK, coding_result("def add(a, b):\n    return a + b\n"))
+    # the fixed line is there, but the test still fails: not solved
+    decoy = "def add(a, b):\n    return a - b\n\n\ndef unused(a, b):\n    return a + b\n"
+    assert "return a + b" in decoy and not outcome_ok(TASK, coding_result(decoy))
+    # the other way round: no fixed line, the test passes: solved
+    other = "def add(a, b):\n    return b + a\n"
+    assert "return a + b" not in other and outcome_ok(TASK, coding_result(other))
+    # an agent that rewrites the test does not grade itself: the task's own test runs
+    assert not outcome_ok(TASK, coding_result(BUGGY, test="print('ok')\n"))
+    run = coding_test(TASK, coding_result(BUGGY)["files_after"])
+    assert not run.passed and "AssertionError" in run.output
+
+
+def test_a_test_that_hangs_or_is_missing_fails():
+    hang = run_test({"t.py": "while True:\n    pass\n"}, "t.py", timeout_s=1.0)
+    assert not hang.passed and "killed" in hang.output
+    assert not run_test({"calc.py": BUGGY}, "test_calc.py").passed
+
+
+def test_generated_coding_tasks_pass_only_when_fixed():
+    """A generated task's files fail its test; the scripted edit (the gold fix) makes it pass."""
+    task = make_tasks(0, "heldout", {"coding": 1})[0]
+    files = dict(task.inputs["files"])
+    assert not outcome_ok(task, {"files_after": files, "session": {"answer": None}})
+    edits = [json.loads(a) for answers in task.script.values() for a in answers
+             if a.startswith("{") and '"old"' in a and '"new"' in a]
+    assert edits, task.script
+    fixed = dict(files)
+    for e in edits:
+        fixed[e["path"]] = fixed[e["path"]].replace(e["old"], e["new"], 1)
+    assert fixed != files and outcome_ok(task, {"files_after": fixed, "session": {"answer": None}})
+
+
+EXPECTED = [{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}]
+REQUIRED = {"get_weather": frozenset({"city"})}
+
+
+def call(city, **extra):
+    return {"name": "get_weather", "arguments": json.dumps({"city": city, **extra})}
+
+
+def test_loop_scoring_right_run_and_wrong_runs():
+    right = score_loop([LoopTurn("u", EXPECTED, [call("Oslo", unit="celsius")], "It is 4 C in Oslo.", 2)], REQUIRED)
+    assert right.ended and right.solved and not right.hit_limit and (right.calls_right, right.calls_made) == (1, 1)
+    # `unit` is not required: leaving it out is still right
+    assert score_loop([LoopTurn("u", EXPECTED, [call("Oslo")], "4 C", 2)], REQUIRED).solved
+    # ... unless the schema requires it
+    assert not score_loop([LoopTurn("u", EXPECTED, [call("Oslo")], "4 C", 2)],
+                          {"get_weather": frozenset({"city", "unit"})}).solved
+    limit = score_loop([LoopTurn("u", EXPECTED, [call("Oslo", unit="celsius")] * 6, None, 6, hit_limit=True)],
+                       REQUIRED)
+    assert limit.hit_limit and not limit.ended and not limit.solved and limit.calls_right == 1
+    wrong_value = score_loop([LoopTurn("u", EXPECTED, [call("Paristory", unit="celsius")], "done", 2)], REQUIRED)
+    assert wrong_value.ended and not wrong_value.solved and wrong_value.calls_right == 0
+    extra = score_loop([LoopTurn("u", EXPECTED, [call("Lima"), call("Oslo")], "4 C", 3)], REQUIRED)
+    assert extra.ended and not extra.solved and (extra.calls_right, extra.calls_made) == (1, 2)
+    markup = score_loop([LoopTurn("u", EXPECTED, [call("Oslo")], '<tool_call>{"name":"get_weather"', 2)], REQUIRED)
+    assert markup.markup_answer and not markup.ended and not markup.solved
+    # a second turn without an answer spoils the loop
+    two = score_loop([LoopTurn("u", EXPECTED, [call("Oslo")], "4 C", 2), LoopTurn("v", EXPECTED, [], "", 1)], REQUIRED)
+    assert not two.ended and not two.solved
+
+
+def merged_backend(tasks: list[Task]) -> ScriptedBackend:
+    script = {}
+    for t in tasks:
+        script.update(t.script)
+    return ScriptedBackend(script)
+
+
+def test_one_bad_task_does_not_stop_the_evaluation():
+    tasks = make_tasks(0, "heldout", {"coding": 1, "function-calling": 2, "react": 1})
+    bad = Task("coding", "coding", {"instruction": "Fix nothing.py please."}, {}, {"test": "t.py", "fixed_line": "x"})
+    out = evaluate_tasks(merged_backend(tasks), tasks[:2] + [bad] + tasks[2:], log=None)
+    assert [(e["index"], e["kind"]) for e in out["errors"]] == [(2, "coding")] and "files" in out["errors"][0]["reason"]
+    kinds = out["per_kind"]
+    assert (kinds["coding"]["tasks"], kinds["coding"]["ok"], kinds["coding"]["errors"]) == (2, 1, 1)
+    assert kinds["function-calling"]["ok"] == 2 and kinds["react"]["ok"] == 1
+    assert kinds["coding"]["fixed_line_present"] == 1 and kinds["coding"]["finished"] == 1
+    fc = out["function_calling"]
+    assert fc["tasks"] == fc["tasks_ok"] == fc["tasks_exact"] == 2 and fc["calls"] == fc["calls_exact"] >= 2
+    assert fc["values_ok"] == fc["values"] > 0
+    templates = out["per_template"]  # each task under its template ("coding" for the bad one: it has none)
+    assert set(templates) == {template_of(t) for t in tasks} | {"coding"}
+    assert sum(g["tasks"] for g in templates.values()) == 5 and sum(g["ok"] for g in templates.values()) == 4
+
+
+def fc_task(name, tools=None, expected=None):
+    return {"name": name, "tools": tools or [{"type": "function", "function": {
+        "name": "pick", "parameters": {"type": "object", "properties": {"color": {"type": "string", "enum": ["red"]}},
+                                       "required": ["color"]}}}],
+            "turns": [{"user": f"pick red for {name}",
+                       "expected": expected or [{"name": "pick", "arguments": {"color": "red"}}]}]}
+
+
+BAD_SCHEMA = [{"type": "function", "function": {"name": "pick", "parameters": {
+    "type": "object", "properties": {"color": {}}}}}]
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_model_dir):
+    from conftest import start_server
+
+    srv = start_server(tiny_model_dir, "--context-length", "4096")
+    yield srv
+    srv.stop()
+
+
+def test_cli_agent_run_reports_a_bad_task_and_runs_the_rest(tiny_server, tmp_path):
+    tasks = [fc_task("a"), fc_task("refused", tools=BAD_SCHEMA), {"name": "no-turns", "tools": fc_task("x")["tools"]},
+             fc_task("b")]
+    path, out = tmp_path / "tasks.json", tmp_path / "out.json"
+    path.write_text(json.dumps(tasks))
+    proc = subprocess.run([sys.executable, "-m", "cedar.backend.cli", "agent", "run", "function-calling",
+                           "--server", tiny_server.url, "--task", str(path), "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    scores = json.loads(out.read_text())["scores"]
+    assert [(e["index"], e["name"]) for e in scores["errors"]] == [(1, "refused"), (2, "no-turns")]
+    assert "refuses" in scores["errors"][0]["reason"] and "turns" in scores["errors"][1]["reason"]
+    # the enum admits only red: both good tasks are solved under constraints
+    assert (scores["tasks"], scores["tasks_ok"], scores["task_errors"], scores["calls_ok"]) == (4, 2, 2, 2)
+    assert "error in task 1 (refused)" in proc.stdout
+
+
+def test_cli_evaluate_writes_both_splits_and_the_api_loops(tiny_server, tmp_path):
+    """The OpenAI-API loop through the real server and `openai` client (a random model: it must
+    still come back with a transcript per loop, scored, and the JSON for each split)."""
+    out = tmp_path / "eval.json"
+    proc = subprocess.run([sys.executable, "-m", "cedar.backend.cli", "evaluate", "--server", tiny_server.url,
+                           "--kinds", "api-loop", "--limit", "1", "--loop-requests", "2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert set(report["splits"]) == {"heldout", "in-template"}
+    for split in report["splits"].values():
+        loops = split["api_loop"]
+        assert loops["loops"] == 1 and not loops["errors"] and loops["max_requests_per_turn"] == 2
+        assert loops["ended"] + loops["hit_limit"] <= 1 and loops["solved"] <= loops["ended"]
+        turns = loops["examples"][0]["turns"]
+        assert turns and all(1 <= t["requests"] <= 2 for t in turns)
+        assert all(t["hit_limit"] == (t["answer"] is None) for t in turns)
+    assert "OpenAI-API loops:" in proc.stdout
