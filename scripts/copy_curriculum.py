@@ -1,0 +1,95 @@
+"""A short-context copy curriculum: does a model form a copy (induction) head, and when?
+
+    .venv/bin/python scripts/copy_curriculum.py --init models/cedar-agent --out DIR \
+        [--seq-len 256] [--batch 16] [--steps 2000] [--lr 1e-3] [--threads 1]
+
+Trains on synthetic copying rows only (`trainer.copy_row`: random strings of 8-48 ids from the
+non-special vocabulary said 2-4 times; the first statement input only, the repeats trained),
+through the trainer's `DenseForward` with bf16 matmuls, and every 25 steps scores greedy top-1
+accuracy on the repeats of 4 fixed held-out rows (seed 12345). Writes DIR/curve.jsonl as it goes
+and DIR/state.pt (model + optimizer) every 100 steps; a second run with the same DIR resumes.
+
+Why: the agent corpus alone left the repeat probe at chance (`cedar train --probe-only`); short
+rows (every repeat inside the 128-token window) are where the copy head is cheapest to form,
+after which longer gaps and the agent data can follow (`../shared/notes/copying.md`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from cedar.backend.model_io import load_model
+from cedar.backend.training.dense import DenseForward, Plan
+from cedar.backend.training.trainer import TrainConfig, copy_row, loss_of
+
+
+def rows(tc: TrainConfig, first: int, n: int, seq_len: int):
+    made = [copy_row(tc, first + i, seq_len) for i in range(n)]
+    return tuple(torch.stack([r[k] for r in made]) for k in range(3))
+
+
+@torch.no_grad()
+def repeat_accuracy(model, fwd: DenseForward, tc: TrainConfig, seq_len: int) -> float:
+    """Greedy top-1 accuracy on the trained (repeat) tokens of 4 fixed held-out copy rows."""
+    model.eval()
+    ids, doc, w = rows(replace(tc, seed=12345), 0, 4, seq_len)
+    logits, _ = fwd.run(ids, doc, Plan())
+    model.train()
+    hit = logits[:, :-1].argmax(-1) == ids[:, 1:]
+    m = (w[:, 1:] == 1) & (doc[:, 1:] == doc[:, :-1]) & (doc[:, 1:] >= 0)
+    return float((hit & m).sum() / m.sum())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--init", required=True, help="model folder to start from")
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    a.out.mkdir(parents=True, exist_ok=True)
+    model = load_model(Path(a.init), quantize=False)
+    model.train()
+    tc = TrainConfig(seed=0, bf16=True, steps=a.steps, batch=a.batch, seq_len=a.seq_len)
+    fwd = DenseForward(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    start, state = 0, a.out / "state.pt"
+    if state.is_file():
+        s = torch.load(state, weights_only=False)
+        model.load_state_dict(s["model"])
+        opt.load_state_dict(s["opt"])
+        start = s["step"]
+    t0 = time.time()
+    with open(a.out / "curve.jsonl", "a") as log:
+        for step in range(start, a.steps):
+            for g in opt.param_groups:
+                g["lr"] = a.lr * min(1.0, (step + 1) / 20)
+            ids, doc, w = rows(tc, step * a.batch, a.batch, a.seq_len)
+            loss, _ = loss_of(fwd, ids, doc, w, Plan(), tc)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            if step % 25 == 0 or step == a.steps - 1:
+                rec = {"step": step, "loss": round(float(loss.detach()), 4),
+                       "repeat_acc": round(repeat_accuracy(model, fwd, tc, a.seq_len), 4),
+                       "seconds": round(time.time() - t0, 1)}
+                print(rec, flush=True)
+                log.write(json.dumps(rec) + "\n")
+                log.flush()
+            if (step + 1) % 100 == 0 or step + 1 == a.steps:
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1}, state)
+
+
+if __name__ == "__main__":
+    main()
