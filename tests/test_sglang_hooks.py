@@ -2,6 +2,7 @@
 written for, or a hooked target moved or changed signature, this fails loudly (re-check every
 hook in backend/serving/sglang_hooks.py before changing the pin)."""
 
+import dataclasses
 import importlib.metadata
 import inspect
 import pkgutil
@@ -35,6 +36,7 @@ SEED_PARAMS = {"seed_batch": ["cls", "batch", "vocab_size"], "seed_merge": ["sel
 ALL_TARGETS = {**{("serving", k): v for k, v in sglang_hooks.TARGETS.items()},
                **{("tool_call", k): v for k, v in tool_call_hooks.TARGETS.items()},
                **{("seed", k): v for k, v in seed_hooks.TARGETS.items()}}
+MODULE_KEYS = {"sglang_hooks": "serving", "tool_call_hooks": "tool_call", "seed_hooks": "seed"}
 ALL_PARAMS = {**{("serving", k): v for k, v in EXPECTED_PARAMS.items()},
               **{("tool_call", k): v for k, v in TOOL_CALL_PARAMS.items()},
               **{("seed", k): v for k, v in SEED_PARAMS.items()}}
@@ -134,3 +136,186 @@ def test_seeded_draw_on_cpu_is_the_kernels_hash():
     assert seed_hooks.request_seeds([5, None], [0.0, 0.1]) is None  # min_p: SGLang's seeded sampler refuses it
     mixed = seed_hooks.request_seeds([5, None], [0.0, 0.0])
     assert mixed[0] == 5 and mixed[1] != seed_hooks.request_seeds([5, None], [0.0, 0.0])[1]
+
+
+# What the hook bodies read on SGLang objects besides the targets' parameters, read off the
+# bodies in sglang_hooks.py, tool_call_hooks.py and seed_hooks.py: class -> attributes. A version
+# bump that renames one would otherwise surface as an AttributeError (or a silently skipped
+# `getattr(..., None)` branch) inside a running server.
+S = "sglang.srt."
+READ_ATTRS = {
+    # cell_size
+    S + "mem_cache.kv_cache_configurator.KVCacheConfigurator": ["model_config"],
+    S + "configs.model_config.ModelConfig": ["hf_config"],
+    # after_alloc, after_state (via tp_worker.model_runner)
+    S + "model_executor.model_runner.ModelRunner": [
+        "model", "page_size", "token_to_kv_pool", "req_to_token_pool", "max_total_num_tokens"],
+    S + "mem_cache.memory_pool.KVCache": ["size"],
+    S + "mem_cache.memory_pool.ReqToTokenPool": ["req_to_token"],
+    # around_replay_len
+    S + "managers.schedule_policy.PrefillAdder": ["tree_cache", "rem_chunk_tokens", "can_run_list", "page_size"],
+    # around_replay_len, after_checkpoint, before_release (tree_cache.req_to_token_pool)
+    S + "mem_cache.unified_radix_cache.UnifiedRadixCache": ["req_to_token_pool", "prefix_device_indices"],
+    # after_init_new, before_release, after_checkpoint, after_state, seed hooks
+    S + "managers.schedule_batch.Req": [
+        "rid", "prefix_len", "kv", "finished", "extend_end", "full_untruncated_fill_ids", "return_logprob",
+        "logprob_start_len", "origin_input_ids", "sampling_params"],
+    S + "managers.schedule_batch.ReqKvInfo": ["holds_kv", "req_pool_idx", "cache_protected_len"],
+    S + "managers.schedule_batch.ScheduleBatch": ["reqs", "decoding_reqs"],
+    S + "model_executor.forward_batch_info.ForwardBatch": ["forward_mode"],
+    S + "model_executor.forward_batch_info.ForwardMode": ["is_extend"],
+    # before_validate, around_set_state
+    S + "managers.tokenizer_manager.TokenizerManager": ["model_config"],
+    S + "managers.io_struct.GenerateReqInput": [
+        "top_logprobs_num", "token_ids_logprob", "logprob_start_len", "sampling_params"],
+    S + "managers.io_struct.SetInternalStateReq": ["server_args"],
+    # after_state, after_handlers
+    S + "managers.scheduler_components.internal_state.SchedulerInternalStateController": ["scheduler"],
+    S + "managers.scheduler.Scheduler": ["tp_worker", "running_batch"],
+    S + "managers.tp_worker.TpModelWorker": ["model_runner"],
+    S + "managers.io_struct.GetInternalStateReqOutput": ["internal_state"],
+    # tool_call_hooks
+    S + "constrained.xgrammar_backend.XGrammarGrammarBackend": ["any_whitespace"],
+    S + "entrypoints.openai.protocol.ChatCompletionRequest": ["tool_choice"],
+    S + "entrypoints.openai.protocol.ToolChoice": ["function"],
+    S + "entrypoints.openai.protocol.Tool": ["function"],
+    S + "entrypoints.openai.protocol.Function": ["name", "parameters"],
+    S + "function_call.function_call_parser.FunctionCallParser": ["tools"],
+    S + "entrypoints.openai.protocol.LegacyStructuralTagResponseFormat": ["structures"],
+    S + "entrypoints.openai.protocol.StructuresResponseFormat": ["schema_"],
+    # seed_hooks
+    S + "sampling.sampling_batch_info.SamplingBatchInfo": ["sampling_seed", "temperatures"],
+    S + "sampling.sampling_params.SamplingParams": ["sampling_seed", "min_p"],
+}
+# module-level names the hook bodies import from SGLang
+READ_NAMES = [S + "runtime_context.get_schedule", S + "constrained.utils.is_legacy_structural_tag",
+              S + "managers.scheduler_components.internal_state.UpdateRejected",
+              S + "entrypoints.openai.protocol.ToolChoice"]
+
+
+def instance_attributes(cls) -> set[str]:
+    """Every attribute an instance of ``cls`` has by its class's own declaration (source
+    inspection, since the scheduler's objects are hard to build): class attributes, methods and
+    properties; annotations; dataclass, pydantic and msgspec fields; and every ``self.<name> = ...``
+    assigned in a method of ``cls`` or a base."""
+    import ast
+    import dataclasses
+    import textwrap
+
+    names = set(dir(cls))
+    for klass in cls.__mro__:
+        if klass is object:
+            continue
+        names |= set(vars(klass))  # NOTE: an Enum's dir() lists its members, not its methods
+        for declared in (klass.__dict__.get("__annotations__"), getattr(klass, "model_fields", None),
+                         getattr(klass, "__struct_fields__", None)):
+            if isinstance(declared, (dict, tuple)):
+                names |= set(declared)
+        if dataclasses.is_dataclass(klass):
+            names |= {f.name for f in dataclasses.fields(klass)}
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            continue
+        for node in ast.walk(tree):
+            targets = (node.targets if isinstance(node, ast.Assign)
+                       else [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
+            for target in targets:
+                for t in ast.walk(target):
+                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                        names.add(t.attr)
+    return names
+
+
+@pytest.mark.parametrize("owner", sorted(READ_ATTRS))
+def test_attributes_the_hooks_read_exist(owner):
+    cls = pkgutil.resolve_name(owner)
+    missing = sorted(set(READ_ATTRS[owner]) - instance_attributes(cls))
+    assert not missing, f"{owner} no longer has {missing}: re-check the hook bodies that read them"
+
+
+@pytest.mark.parametrize("name", READ_NAMES)
+def test_names_the_hooks_import_exist(name):
+    assert pkgutil.resolve_name(name) is not None
+
+
+def test_attribute_check_can_fail():
+    """The source scan finds `self.x =` assignments, and only those of the class and its bases."""
+    from sglang.srt.managers.schedule_batch import Req, ReqKvInfo
+
+    assert {"rid", "kv", "origin_input_ids"} <= instance_attributes(Req)
+    assert "cache_protected_len_gone" not in instance_attributes(ReqKvInfo)
+    assert "rem_chunk_tokens" not in instance_attributes(Req)
+
+
+_LOAD_PLUGINS = """
+import json, sys
+from cedar.backend.serving import sglang_hooks
+if sys.argv[1:]:
+    sglang_hooks.TARGETS["validate"] = sys.argv[1]
+from sglang.srt.plugins import load_plugins
+load_plugins()
+print("HOOKS", json.dumps([[h.module, h.name, h.installed] for h in sglang_hooks.hook_status()]))
+"""
+
+
+def _load_plugins_in_a_fresh_process(*argv: str):
+    """SGLang's own ``load_plugins`` (what every server process runs) in a child, so the hooks
+    never patch this test process."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, CEDAR_SGLANG_PLUGIN="1")
+    return subprocess.run([sys.executable, "-c", _LOAD_PLUGINS, *argv], env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_load_plugins_installs_every_hook():
+    import json
+
+    done = _load_plugins_in_a_fresh_process()
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("HOOKS "))
+    status = {(MODULE_KEYS[m], n): ok for m, n, ok in json.loads(line[len("HOOKS "):])}
+    assert status == {name: True for name in ALL_TARGETS}
+
+
+def test_a_hook_that_does_not_install_stops_the_process():
+    """A moved target: SGLang's ``apply_hooks`` logs it and carries on; the plugin exits non-zero
+    with a message naming the hook, before the process does anything else."""
+    bogus = sglang_hooks.P + "managers.tokenizer_manager.TokenizerManager._validate_one_request_gone"
+    done = _load_plugins_in_a_fresh_process(bogus)
+    assert done.returncode != 0
+    assert "HOOKS" not in done.stdout
+    assert f"1 SGLang hook(s) did not install: sglang_hooks.validate ({bogus})" in done.stderr
+
+
+def test_plugin_exits_when_install_raises(monkeypatch):
+    """SGLang's loader logs a plugin's exception and carries on; the plugin turns it into an exit."""
+    from cedar.backend.serving import hf_config, plugin
+
+    def wrong_version():
+        raise RuntimeError("cedar's SGLang hooks were written for sglang 0.5.23, found 0.0.0")
+
+    monkeypatch.setenv("CEDAR_SGLANG_PLUGIN", "1")
+    monkeypatch.setattr(hf_config, "register_auto_config", lambda: None)
+    monkeypatch.setattr(sglang_hooks, "install", wrong_version)
+    with pytest.raises(SystemExit, match="installing the SGLang hooks failed: .*written for sglang"):
+        plugin.register()
+
+
+def test_hook_status_reads_the_live_objects():
+    """In this process no hook is applied: every target resolves and none counts as installed."""
+    status = sglang_hooks.hook_status()
+    assert {(MODULE_KEYS[h.module], h.name) for h in status} == set(ALL_TARGETS)
+    assert not any(h.installed for h in status)
+    message = sglang_hooks.missing_hooks_message(status)
+    assert message.startswith(f"cedar: {len(ALL_TARGETS)} SGLang hook(s) did not install")
+    assert sglang_hooks.missing_hooks_message([dataclasses.replace(h, installed=True) for h in status]) is None
+
+
+def test_server_info_lists_every_hook(server):
+    hooks = server.cedar_state()["hooks"]
+    assert {(MODULE_KEYS[h["module"]], h["name"]): (h["target"], h["installed"]) for h in hooks} == {
+        name: (target, True) for name, target in ALL_TARGETS.items()}

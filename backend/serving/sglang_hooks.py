@@ -24,12 +24,20 @@ Each hook is a no-op for models other than Cedar's.
 
 Tool-calling fixes (any model) live in ``tool_call_hooks.py``, repeatable seeded sampling (any
 model) in ``seed_hooks.py``, both installed from here.
+
+A hook that did not install stops the server: ``hook_status`` reads every target back from the
+live SGLang objects, the plugin (``plugin.py``) exits non-zero naming each missing one, and
+``/get_server_info`` lists them all under ``cedar.hooks`` (target, installed; as the scheduler
+process sees them). ``tests/test_sglang_hooks.py`` also pins the SGLang attributes the hook
+bodies read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
+import pkgutil
 
 from ..config import MODEL_TYPE
 from . import seed_hooks, tool_call_hooks
@@ -217,6 +225,7 @@ def after_state(output, self, recv_req):
         state["forward_rows_max"] = dict(model.stats.rows_max)
         state["kernels"] = model.kernel_info()
         state["flags"] = dataclasses.asdict(model.flags)
+        state["hooks"] = [dataclasses.asdict(h) for h in hook_status()]
         output.internal_state["cedar"] = state
     return output
 
@@ -285,3 +294,65 @@ def install() -> None:
     HookRegistry.register(TARGETS["handlers"], after_handlers, HookType.AFTER)
     tool_call_hooks.install()
     seed_hooks.install()
+
+
+
+@dataclasses.dataclass(frozen=True)
+class HookStatus:
+    """One hook target and whether Cedar's hook is live on it in this process."""
+
+    name: str  # the key in its module's TARGETS, e.g. "validate"
+    module: str  # the Cedar module that owns the hook, e.g. "seed_hooks"
+    target: str  # the dotted SGLang path
+    installed: bool
+
+
+def hook_status() -> list[HookStatus]:
+    """Every Cedar hook target (this module's, ``tool_call_hooks``'s, ``seed_hooks``'s) with
+    whether it is installed, read from the live SGLang objects (not from what was registered).
+
+    A target counts as installed when the attribute now at its path is a wrapper chain (SGLang's
+    ``_wrap_fn``: ``functools.wraps`` plus ``__wrapped__``) one of whose wrappers closes over a
+    function defined in the owning Cedar module. A target that no longer resolves, or whose
+    attribute is SGLang's own function, is not installed.
+    """
+    import sys
+
+    out = []
+    for module in (sys.modules[__name__], tool_call_hooks, seed_hooks):
+        short = module.__name__.rsplit(".", 1)[-1]
+        for name, target in module.TARGETS.items():
+            out.append(HookStatus(name, short, target, _installed(target, module.__name__)))
+    return out
+
+
+def _installed(target: str, module_name: str) -> bool:
+    owner_path, attr = target.rsplit(".", 1)
+    try:
+        fn = inspect.getattr_static(pkgutil.resolve_name(owner_path), attr)
+    except (ImportError, AttributeError, ValueError):
+        return False
+    fn = getattr(fn, "__func__", fn)  # classmethod / staticmethod
+    seen: set[int] = set()
+    while fn is not None and id(fn) not in seen:
+        seen.add(id(fn))
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if callable(value) and getattr(value, "__module__", None) == module_name:
+                return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False
+
+
+def missing_hooks_message(status: list[HookStatus]) -> str | None:
+    """The refusal naming every hook that is not installed, or None when all are."""
+    missing = [h for h in status if not h.installed]
+    if not missing:
+        return None
+    names = ", ".join(f"{h.module}.{h.name} ({h.target})" for h in missing)
+    return (f"cedar: {len(missing)} SGLang hook(s) did not install: {names}. SGLang logs a failing "
+            f"hook and carries on; Cedar refuses to serve without it (see the log above for why, "
+            f"and re-check the target against sglang {SGLANG_VERSION})")
