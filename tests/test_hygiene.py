@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from cedar.backend.serving.launch import ServeConfig
-from cedar.backend.serving.process import CHILD_GROUPS, ServerProcess, free_port, spawn_group
+from cedar.backend.serving.process import ServerProcess, free_port
 from server_helpers import group_processes, kill_processes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -142,15 +142,26 @@ def test_a_spawned_group_dies_with_a_killed_parent_and_at_exit():
     finally:
         kill_processes([*group_processes(parent.pid), *(group_processes(child) if child else [])])
         parent.wait()
-    # interpreter exit without a stop: the exit hook
-    proc = spawn_group(sleeper, subprocess.DEVNULL)
+    # interpreter exit without a stop: the exit hook. In a child interpreter, spawned from a worker
+    # thread (no parent-death signal there), so only the hook can stop it. NOTE: never call
+    # CHILD_GROUPS.stop_all() here: in this process it would stop the session's shared servers.
+    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import subprocess, threading
+        from cedar.backend.serving.process import CHILD_GROUPS, spawn_group
+        started = []
+        t = threading.Thread(target=lambda: started.append(spawn_group({sleeper!r}, subprocess.DEVNULL)))
+        t.start(); t.join()
+        assert started[0].pid in CHILD_GROUPS.live
+        print(started[0].pid, flush=True)
+    """)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    child = None
     try:
-        assert proc.pid in CHILD_GROUPS.live
-        CHILD_GROUPS.stop_all()
-        assert proc.poll() is not None and proc.pid not in CHILD_GROUPS.live
-        assert wait_gone(proc.pid, 5) == []
+        child = int(read_line(parent, 120))
+        assert parent.wait(timeout=60) == 0
+        assert wait_gone(child) == []
     finally:
-        kill_processes(group_processes(proc.pid))
+        kill_processes([*group_processes(parent.pid), *(group_processes(child) if child else [])])
+        parent.wait()
 
 
 LEAKY_TEST = textwrap.dedent("""
