@@ -39,7 +39,7 @@ import platform
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -195,73 +195,27 @@ def stage_kernels(ctx: Ctx) -> dict:
 # ---------------------------------------------------------------- the served path, without SGLang
 
 
-@dataclass
-class Req:
-    rid: str
-    slot: int
-    ids: list[int]
-    token_slots: list[int] = field(default_factory=list)
+def _driver(model, device, num_slots: int, num_reqs: int, max_len: int):
+    """The runtime SGLang's model class calls, driven in process with SGLang's tables stood in
+    for (``cedar.backend.serving.driver``)."""
+    from cedar.backend.serving.driver import Driver
+
+    return Driver(model, num_slots=num_slots, num_reqs=num_reqs, max_len=max_len, device=device)
 
 
-class Driver:
-    """The served model's bookkeeping driven in process as ``CedarForCausalLM.forward`` does inside
-    SGLang, SGLang's slot table stood in for by a plain tensor (``req_to_token``) and its paged
-    allocator by a counter (page 0 is padding, as in SGLang)."""
+def _step(d, batch, flags) -> torch.Tensor:
+    """One served forward of ``batch`` (the runtime's step); each request's last row's logits (B, V)."""
+    return d.last_logits(d.run(batch, flags=flags), batch)
 
-    def __init__(self, model, device: torch.device, num_slots: int, num_reqs: int, max_len: int) -> None:
-        from cedar.backend.serving.pools import RequestSlots, TokenPools
 
-        self.model, self.cfg, self.device = model, model.cfg, device
-        self.pools = TokenPools(self.cfg, num_slots, device)
-        self.slots = RequestSlots(self.cfg, num_reqs, device)
-        self.req_to_token = torch.zeros(num_reqs, max_len, dtype=torch.int32, device=device)
-        self.next_slot = self.cfg.page_size
+def _req(rid: str, slot: int, ids: list[int], token_slots: list[int] | None = None):
+    from cedar.backend.serving.driver import Req
 
-    def alloc(self, req: Req, n: int) -> list[int]:
-        out, P = [], self.cfg.page_size
-        last = req.token_slots[-1] if req.token_slots else None
-        for p in range(len(req.token_slots), len(req.token_slots) + n):
-            last = self.next_slot if p % P == 0 else last + 1
-            if p % P == 0:
-                self.next_slot += P
-            out.append(last)
-        if self.next_slot > self.pools.num_slots:
-            raise RuntimeError(f"the driver ran out of token slots ({self.pools.num_slots})")
-        return out
+    return Req(rid, slot, ids, token_slots or [])
 
-    def prepare(self, batch: list[tuple[Req, int]]):
-        """SGLang's side of a forward: slots allocated, its table and the pool's token ids written.
-        Returns (rids, req slots, prefix lens, extend lens, input ids on the device)."""
-        rids, slots, prefix, ext, ids, new_all = [], [], [], [], [], []
-        for req, n in batch:
-            H = len(req.token_slots)
-            new = self.alloc(req, n)
-            req.token_slots += new
-            self.req_to_token[req.slot, :len(req.token_slots)] = torch.tensor(req.token_slots, dtype=torch.int32)
-            rids.append(req.rid); slots.append(req.slot); prefix.append(H); ext.append(n)
-            ids += req.ids[H:H + n]; new_all += new
-        input_ids = torch.tensor(ids, device=self.device)
-        self.pools.token_ids[torch.tensor(new_all, device=self.device)] = input_ids.int()
-        return rids, slots, prefix, ext, input_ids
 
-    @torch.no_grad()
-    def step(self, batch: list[tuple[Req, int]], flags) -> torch.Tensor:
-        """One served forward of ``batch``; returns each request's last scheduled row's logits (B, V)."""
-        from cedar.backend.serving.planner import RequestInfo, plan_forward
-        from cedar.backend.serving.prepass import replay_prepass
-        from cedar.backend.serving.served_model import served_step
-
-        rids, slots, prefix, ext, input_ids = self.prepare(batch)
-        if flags.replay_per_request:
-            replay_prepass(self.model, flags, self.slots, self.pools, self.req_to_token, rids, slots, prefix)
-        plan = plan_forward(self.cfg, flags, self.slots, self.pools, self.req_to_token, rids, slots, prefix, ext,
-                            input_ids, [RequestInfo()] * len(batch))
-        hidden = served_step(self.model, self.pools, self.slots, plan, input_ids.shape[0])
-        last = torch.tensor(ext).cumsum(0) - 1
-        return self.model.lm_head(hidden[last.to(self.device)]).float()
-
-    def hit(self, rid: str, slot: int, source: Req, hit: int, new_ids: list[int]) -> Req:
-        return Req(rid, slot, source.ids[:hit] + list(new_ids), list(source.token_slots[:hit]))
+def _hit(rid: str, slot: int, source, hit: int, new_ids: list[int]):
+    return _req(rid, slot, source.ids[:hit] + list(new_ids), list(source.token_slots[:hit]))
 
 
 def _ids(n: int, seed: int, vocab: int) -> list[int]:
@@ -297,18 +251,18 @@ def _serve_script(model, device: torch.device, flags, sizes: dict, tokens: list[
     else greedy from these logits. Returns (per-forward logits (B, V) on the CPU, tokens fed)."""
     B, L, hit, new, steps = sizes["batch"], sizes["prompt"], sizes["hit"], sizes["new"], sizes["decode"]
     V = model.cfg.vocab_size
-    d = Driver(model, device, num_slots=2 * B * (L + new + steps) + 4096, num_reqs=2 * B, max_len=L + new + steps + 8)
-    src = [Req(f"s{b}", b, _ids(L, 100 + b, V)) for b in range(B)]
-    logits = [d.step([(r, L) for r in src], flags).cpu()]
-    hitters = [d.hit(f"h{b}", B + b, src[b], hit, _ids(new, 200 + b, V)) for b in range(B)]
-    logits.append(d.step([(r, new) for r in hitters], flags).cpu())
+    d = _driver(model, device, num_slots=2 * B * (L + new + steps) + 4096, num_reqs=2 * B, max_len=L + new + steps + 8)
+    src = [_req(f"s{b}", b, _ids(L, 100 + b, V)) for b in range(B)]
+    logits = [_step(d, [(r, L) for r in src], flags).cpu()]
+    hitters = [_hit(f"h{b}", B + b, src[b], hit, _ids(new, 200 + b, V)) for b in range(B)]
+    logits.append(_step(d, [(r, new) for r in hitters], flags).cpu())
     fed = []
     for s in range(steps):
         nxt = tokens[s * B:(s + 1) * B] if tokens is not None else logits[-1].argmax(-1).tolist()
         fed += nxt
         for r, t in zip(hitters, nxt):
             r.ids.append(int(t))
-        logits.append(d.step([(r, 1) for r in hitters], flags).cpu())
+        logits.append(_step(d, [(r, 1) for r in hitters], flags).cpu())
     return torch.stack(logits), fed
 
 
@@ -350,19 +304,19 @@ def stage_replay(ctx: Ctx) -> dict:
     V = cfg.vocab_size
     modes = {"in_forward": ServingFlags(snapshot_mb=0, snapshots=False),
              "per_request": ServingFlags(snapshot_mb=0, snapshots=False, replay_per_request=True)}
-    d = Driver(model, ctx.device, num_slots=B * (hit + 8) + 2 * len(modes) * (trials + 1) * B * (new + 8) + 4096,
+    d = _driver(model, ctx.device, num_slots=B * (hit + 8) + 2 * len(modes) * (trials + 1) * B * (new + 8) + 4096,
                num_reqs=2 * B, max_len=hit + new + 8)
-    src = [Req(f"s{b}", b, _ids(hit + 8, 300 + b, V)) for b in range(B)]
+    src = [_req(f"s{b}", b, _ids(hit + 8, 300 + b, V)) for b in range(B)]
     with torch.no_grad():
-        d.step([(r, len(r.ids)) for r in src], modes["in_forward"])
+        _step(d, [(r, len(r.ids)) for r in src], modes["in_forward"])
     news = [_ids(new, 400 + b, V) for b in range(B)]
     logits, times, replayed = {}, {m: [] for m in modes}, {}
     for t in range(trials + 1):  # trial 0: warm-up (Triton compiles), not timed
         for m, flags in modes.items():  # NOTE: the modes alternate
-            hitters = [d.hit(f"{m}{t}-{b}", B + b, src[b], hit, news[b]) for b in range(B)]
+            hitters = [_hit(f"{m}{t}-{b}", B + b, src[b], hit, news[b]) for b in range(B)]
             ctx.sync()
             t0 = time.perf_counter()
-            out = d.step([(r, new) for r in hitters], flags)
+            out = _step(d, [(r, new) for r in hitters], flags)
             ctx.sync()
             if t:
                 times[m].append((time.perf_counter() - t0) * 1e3)
@@ -414,7 +368,7 @@ def _copy_owners(owners: list) -> list:
 class Checkpoint:
     """The device state of pools and slots and the host owners, to run one step twice from it."""
 
-    def __init__(self, d: Driver) -> None:
+    def __init__(self, d) -> None:
         self.d = d
         self.tensors = _state_tensors(d.pools) + _state_tensors(d.slots)
         self.saved = [t.clone() for t in self.tensors]
@@ -461,7 +415,7 @@ def stage_graphs(ctx: Ctx) -> dict:
     checkpoint the capture restores from; the status is then ``skipped``."""
     from cedar.backend.serving.planner import RequestInfo, ServingFlags, plan_forward
     from cedar.backend.serving.pool_keys import PoolKeys
-    from cedar.backend.serving.served_model import served_step
+    from cedar.backend.serving.step import served_step
 
     cfg = _served_cfg(ctx)
     backend = "triton" if ctx.device.type == "cuda" else _device_backend(ctx)
@@ -469,10 +423,10 @@ def stage_graphs(ctx: Ctx) -> dict:
     flags = ServingFlags(snapshot_mb=0, snapshots=False)
     B, L, iters = (8, 512, 50) if not ctx.dry else (2, 150, 2)
     V = cfg.vocab_size
-    d = Driver(model, ctx.device, num_slots=B * (L + 64) + 4096, num_reqs=B, max_len=L + 64)
-    reqs = [Req(f"r{b}", b, _ids(L, 500 + b, V)) for b in range(B)]
+    d = _driver(model, ctx.device, num_slots=B * (L + 64) + 4096, num_reqs=B, max_len=L + 64)
+    reqs = [_req(f"r{b}", b, _ids(L, 500 + b, V)) for b in range(B)]
     with torch.no_grad():
-        first = d.step([(r, L) for r in reqs], flags)
+        first = _step(d, [(r, L) for r in reqs], flags)
     for r, t in zip(reqs, first.argmax(-1).tolist()):
         r.ids.append(t)
 
@@ -481,9 +435,9 @@ def stage_graphs(ctx: Ctx) -> dict:
     def plan_decode():  # NOTE: always the same step: from the prefilled state, one token each
         for r, b in zip(reqs, base):
             r.token_slots = list(b)
-        rids, slots, prefix, ext, input_ids = d.prepare([(r, 1) for r in reqs])
-        return plan_forward(cfg, flags, d.slots, d.pools, d.req_to_token, rids, slots, prefix, ext, input_ids,
-                            [RequestInfo()] * B)
+        inp, input_ids = d.prepare([(r, 1) for r in reqs])
+        return plan_forward(cfg, flags, d.slots, d.pools, d.req_to_token, inp.rids, inp.req_slots, inp.prefix_lens,
+                            inp.extend_lens, input_ids, [RequestInfo()] * B)
 
     out: dict = {"model": f"{cfg.name} (random weights)", "batch": B, "context": L, "kernels": backend,
                  "tables": "built eagerly before capture (host planning from SGLang's lists); "
@@ -492,12 +446,12 @@ def stage_graphs(ctx: Ctx) -> dict:
     with torch.no_grad():
         # eager: the served step itself, and its time (planning and tables included)
         plan = plan_decode()
-        eager = model.lm_head(served_step(model, d.pools, d.slots, plan, B)).float()
+        eager = model.lm_head(served_step(model, d.pools, d.slots, plan, B)[0]).float()
         ckpt_after = [t.clone() for t in ckpt.tensors]
 
         def eager_step():
             p = plan_decode()
-            return model.lm_head(served_step(model, d.pools, d.slots, p, B))
+            return model.lm_head(served_step(model, d.pools, d.slots, p, B)[0])
 
         def plan_and_tables():
             return PoolKeys(cfg, model.codec, d.pools, d.slots, plan_decode())

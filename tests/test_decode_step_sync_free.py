@@ -21,8 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from cedar.backend.geometries import cedar_tiny
 from cedar.backend.model_io import random_model
-from cedar.backend.serving.planner import RequestInfo, plan_forward
-from cedar.backend.serving.served_model import served_step
+from cedar.backend.serving.runtime import StepInput
 from cedar.kernels import cpu_ext
 from cedar.kernels.dispatch import KernelSet
 from serving_harness import Harness
@@ -130,11 +129,9 @@ def decode_step(h: Harness, reqs, guard: NoHostSync | None = None) -> torch.Tens
     rids, req_slots = [r.rid for r in reqs], [r.slot for r in reqs]
     with guard if guard is not None else torch.no_grad():
         with torch.no_grad():
-            h.pools.token_ids[out_cache_loc.long()] = input_ids.int()  # as CedarForCausalLM.forward
-            plan = plan_forward(h.cfg, h.flags, h.slots, h.pools, h.req_to_token, rids, req_slots, prefix,
-                                [1] * len(reqs), input_ids, [RequestInfo()] * len(reqs))
-            hidden = served_step(h.model, h.pools, h.slots, plan, len(reqs))
-            return h.model.lm_head(hidden)
+            h.rt.write_ids(out_cache_loc, input_ids)  # as CedarForCausalLM.forward
+            out = h.rt.step(input_ids, StepInput("decode", rids, req_slots, prefix, [1] * len(reqs), h.req_to_token))
+            return h.model.lm_head(out.hidden)
 
 
 def _ids(n, seed):

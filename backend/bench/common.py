@@ -79,11 +79,11 @@ def stream_body(ids: list[int], max_new_tokens: int = OUTPUT_LEN) -> bytes:
 
 def set_switch(srv, key: str, on: bool) -> None:
     """Flip a Cedar runtime switch (/set_internal_state) and check the server took it."""
-    from ..serving.sglang_hooks import SWITCHES
+    from ..serving.runtime import SWITCHES
 
     status, out = srv.post("/set_internal_state", {"server_args": {key: int(on)}})
     flags = srv.cedar_state()["flags"]
-    if status != 200 or any(flags[k] != v for k, v in SWITCHES[key](None, on).items()):
+    if status != 200 or any(flags[k] != v for k, v in SWITCHES[key](on).items()):
         raise RuntimeError(f"switch {key} did not take: {status} {out} {flags}")
 
 

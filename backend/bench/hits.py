@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from ..serving.sglang_hooks import REPLAY_SWITCH
+from ..serving.runtime import REPLAY_SWITCH
 from .common import OUTPUT_LEN, Sample, fresh_ids, machine_info, save_report, set_switch, stream_body, stream_generate
 
 if TYPE_CHECKING:

@@ -12,9 +12,9 @@ import dataclasses
 from torch import Tensor
 
 from .planner import RequestInfo, ServedForward, ServingFlags, claim_slot, plan_forward
-from .pool_keys import PoolKeys
 from .pools import RequestSlots, TokenPools
 from .snapshots import SnapshotStore
+from .step import served_step
 
 
 def replay_prepass(model, flags: ServingFlags, slots: RequestSlots, pools: TokenPools, req_to_token: Tensor,
@@ -35,8 +35,6 @@ def replay_prepass(model, flags: ServingFlags, slots: RequestSlots, pools: Token
                             ids, [RequestInfo(final_chunk=False)])
         plan = dataclasses.replace(plan, requests=tuple(
             dataclasses.replace(r, prefix_len=hit, replayed=hit - start) for r in plan.requests))
-        keys = PoolKeys(cfg, model.codec, pools, slots, plan)
-        model.run_layers(model.embed(plan.input_ids), plan.batch, keys)
-        keys.commit()
+        served_step(model, pools, slots, plan, plan.input_ids.shape[0])  # NOTE: its output is not needed
         plans.append(plan)
     return plans

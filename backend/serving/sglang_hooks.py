@@ -2,7 +2,9 @@
 ``HookRegistry`` (no installed file is edited). Written for SGLANG_VERSION; ``install()`` refuses
 another version, and ``tests/test_sglang_hooks.py`` fails loudly when the pin or a target moves.
 
-Each hook is a no-op for models other than Cedar's.
+Each hook is a no-op for models other than Cedar's. A hook reads the SGLang facts it needs and
+delegates to the serving model's :class:`~.runtime.CedarRuntime`, which owns Cedar's side of
+every seam (the table there says which method serves which hook).
 
 | target | why |
 |---|---|
@@ -40,7 +42,7 @@ import logging
 import pkgutil
 
 from ..config import MODEL_TYPE
-from . import seed_hooks, tool_call_hooks
+from . import runtime, seed_hooks, tool_call_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -59,25 +61,22 @@ TARGETS = {
     "set_state": P + "managers.tokenizer_manager.TokenizerManager.set_internal_state",
     "handlers": P + "managers.scheduler_components.internal_state.SchedulerInternalStateController._update_handlers",
 }
-# runtime switches for /set_internal_state (0/1): benchmarks and tests flip modes in one server
-SWITCHES = {
-    "cedar_replay_per_request": lambda flags, on: dict(replay_per_request=on),
-    "cedar_narrow": lambda flags, on: dict(narrow=on),
-    "cedar_replay_exact": lambda flags, on: dict(replay="exact" if on else "bounded"),
-    "cedar_snapshots": lambda flags, on: dict(snapshots=on),
-}
-REPLAY_SWITCH = "cedar_replay_per_request"
+SWITCHES, REPLAY_SWITCH, switch_problem = runtime.SWITCHES, runtime.REPLAY_SWITCH, runtime.switch_problem
 
 
 def _is_cedar(hf_config) -> bool:
     return getattr(hf_config, "model_type", None) == MODEL_TYPE
 
 
-def _cedar_model(model_runner):
+def _runtime(model_runner) -> "runtime.CedarRuntime | None":
+    """The Cedar runtime of the model this runner serves (None for another model's)."""
+    return getattr(getattr(model_runner, "model", None), "runtime", None) if _serves_cedar(model_runner) else None
+
+
+def _serves_cedar(model_runner) -> bool:
     from .served_model import CedarForCausalLM
 
-    model = getattr(model_runner, "model", None)
-    return model if isinstance(model, CedarForCausalLM) else None
+    return isinstance(getattr(model_runner, "model", None), CedarForCausalLM)
 
 
 def cell_size(original, self, kvc, num_layers):
@@ -90,32 +89,31 @@ def cell_size(original, self, kvc, num_layers):
 
 
 def after_alloc(result, model_runner, *args, **kwargs):
-    model = _cedar_model(model_runner)
-    if model is not None:
+    rt = _runtime(model_runner)
+    if rt is not None:
         from sglang.srt.runtime_context import get_schedule
 
-        chunk, need = get_schedule().chunked_prefill_size, model.cfg.sliding_window + model_runner.page_size
+        chunk, need = get_schedule().chunked_prefill_size, rt.cfg.sliding_window + model_runner.page_size
         if chunk is not None and 0 < chunk < need:
-            raise ValueError(f"--chunked-prefill-size {chunk} leaves no room for a hit's {model.cfg.sliding_window} "
+            raise ValueError(f"--chunked-prefill-size {chunk} leaves no room for a hit's {rt.cfg.sliding_window} "
                              f"replay rows: serve with at least {need}")
         # NOTE: SGLang's slot ids run over [0, size + page_size): page 0 is its padding page.
-        figures = model.allocate(model_runner.token_to_kv_pool.size + model_runner.page_size,
-                                 model_runner.req_to_token_pool.req_to_token.shape[0], model_runner.page_size)
-        figures["max_total_num_tokens"] = model_runner.max_total_num_tokens
-        model_runner.req_to_token_pool.cedar_model = model  # NOTE: how the release hook finds it
-        logger.info("cedar memory: SGLang budgets %d B/token for %d tokens; SWA %d B/request",
+        figures = rt.allocate(model_runner.token_to_kv_pool.size + model_runner.page_size,
+                              model_runner.req_to_token_pool.req_to_token.shape[0], model_runner.page_size,
+                              sglang_pool=model_runner.req_to_token_pool)
+        logger.info("cedar memory: SGLang budgets %d B/token for %d tokens; SWA %d B/request; pools %s",
                     figures["budget_bytes_per_token"], model_runner.max_total_num_tokens,
-                    figures["swa_bytes_per_request"])
+                    figures["swa_bytes_per_request"], figures)
     return result
 
 
 def around_replay_len(original, self, req, prefix_len):
-    model = getattr(getattr(self.tree_cache, "req_to_token_pool", None), "cedar_model", None)
-    if model is None:
+    rt = runtime.runtime_for(getattr(self.tree_cache, "req_to_token_pool", None))
+    if rt is None:
         return original(self, req, prefix_len)
     # NOTE: the matched slots are known only for the tree's own match (no host-tier hits here)
     slots = self.tree_cache.prefix_device_indices(req) if 0 < prefix_len <= req.prefix_len else None
-    rows = model.admission_replay_rows(prefix_len, None if slots is None else slots[:prefix_len])
+    rows = rt.admission_replay_rows(prefix_len, None if slots is None else slots[:prefix_len])
     limit = self.rem_chunk_tokens
     if rows and limit is not None and not self.can_run_list and rows > limit - self.page_size:
         # NOTE: only `--replay exact` (the whole prefix, a reference mode) gets here (the alloc
@@ -126,13 +124,11 @@ def around_replay_len(original, self, req, prefix_len):
 
 
 def after_init_new(forward_batch, cls, batch, model_runner, *args, **kwargs):
-    model = _cedar_model(model_runner)
-    if model is None or not forward_batch.forward_mode.is_extend():
+    rt = _runtime(model_runner)
+    if rt is None or not forward_batch.forward_mode.is_extend():
         return forward_batch
     from .planner import RequestInfo
 
-    # NOTE: the ForwardBatch the model receives is not always this object (runners rebuild it),
-    # so the facts travel to the model keyed by (rid, prefix length), consumed by its forward.
     decoding = {id(r) for r in (batch.decoding_reqs or ())}
     for req in batch.reqs:
         if id(req) in decoding:
@@ -140,24 +136,23 @@ def after_init_new(forward_batch, cls, batch, model_runner, *args, **kwargs):
         final = req.extend_end == len(req.full_untruncated_fill_ids)
         wants = bool(req.return_logprob) and req.logprob_start_len is not None \
             and 0 <= req.logprob_start_len < len(req.origin_input_ids) - 1
-        model.request_infos[(req.rid, req.prefix_len)] = RequestInfo(final_chunk=final, prompt_logprobs=wants)
-    while len(model.request_infos) > 4096:  # entries of requests aborted before their forward
-        model.request_infos.pop(next(iter(model.request_infos)))
+        rt.note_request(int(req.kv.req_pool_idx), req.prefix_len,
+                        RequestInfo(final_chunk=final, prompt_logprobs=wants))
     return forward_batch
 
 
 def before_release(req, tree_cache, *args, checkpoint: bool = False, **kwargs):
-    model = getattr(getattr(tree_cache, "req_to_token_pool", None), "cedar_model", None)
-    if model is not None and checkpoint and req.finished() and req.kv.holds_kv:
-        model.on_request_finished(int(req.kv.req_pool_idx), req.rid)
+    rt = runtime.runtime_for(getattr(tree_cache, "req_to_token_pool", None))
+    if rt is not None and checkpoint and req.finished() and req.kv.holds_kv:
+        rt.on_request_finished(int(req.kv.req_pool_idx), req.rid)
     return None
 
 
 def after_checkpoint(result, self, req, *args, **kwargs):
-    model = getattr(self.req_to_token_pool, "cedar_model", None)
-    if model is not None and req.finished() and req.kv.holds_kv:
+    rt = runtime.runtime_for(self.req_to_token_pool)
+    if rt is not None and req.finished() and req.kv.holds_kv:
         kept = req.kv.cache_protected_len
-        model.on_request_inserted(req.rid, self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :kept])
+        rt.on_request_inserted(req.rid, self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :kept])
     return None
 
 
@@ -210,29 +205,21 @@ def _check_sizes(obj, vocab_size: int) -> None:
 
 
 def after_state(output, self, recv_req):
-    model = _cedar_model(self.scheduler.tp_worker.model_runner)
-    if model is not None:
-        from .integrity import pool_integrity, slot_integrity
+    rt = _runtime(self.scheduler.tp_worker.model_runner)
+    if rt is not None:
+        from .integrity import pool_integrity
 
-        state = dict(model.memory_figures())
-        state["integrity"] = pool_integrity(self.scheduler)
         running = self.scheduler.running_batch.reqs if self.scheduler.running_batch else []
-        broken = slot_integrity(model.slots, model.snapshots, {int(r.kv.req_pool_idx): r.rid for r in running
-                                                               if r.kv.req_pool_idx is not None})
-        state["integrity"].update(slots_ok=not broken, slots_broken=broken[:20])
-        state["replayed_tokens_total"] = model.stats.replayed_tokens
-        state["forward_ms"] = model.stats.forward_summary()
-        state["forward_rows_max"] = dict(model.stats.rows_max)
-        state["kernels"] = model.kernel_info()
-        state["flags"] = dataclasses.asdict(model.flags)
+        state = rt.internal_state({int(r.kv.req_pool_idx): r.rid for r in running if r.kv.req_pool_idx is not None})
+        state["integrity"] = {**pool_integrity(self.scheduler), **state["integrity"]}
         state["hooks"] = [dataclasses.asdict(h) for h in hook_status()]
         output.internal_state["cedar"] = state
     return output
 
 
 def after_handlers(handlers, self):
-    model = _cedar_model(self.scheduler.tp_worker.model_runner)
-    if model is None:
+    rt = _runtime(self.scheduler.tp_worker.model_runner)
+    if rt is None:
         return handlers
 
     def validate(key, value):
@@ -243,24 +230,13 @@ def after_handlers(handlers, self):
             raise UpdateRejected(problem)
 
     def apply(key, value):
-        model.flags = dataclasses.replace(model.flags, **SWITCHES[key](model.flags, bool(value)))
+        rt.set_switch(key, bool(value))
         return {}
 
     handler_cls = type(next(iter(handlers.values())))
     for key in SWITCHES:
         handlers[key] = handler_cls(validate, apply)
     return handlers
-
-
-def switch_problem(server_args) -> str | None:
-    """Why a /set_internal_state body's Cedar switches are refused, or None (other keys are
-    SGLang's to judge)."""
-    for key, value in (server_args or {}).items():
-        if key.startswith("cedar_") and key not in SWITCHES:
-            return f"unknown Cedar switch {key!r}: one of {sorted(SWITCHES)}"
-        if key in SWITCHES and not (type(value) in (int, bool) and value in (0, 1)):
-            return f"{key} must be 0 or 1, got {value!r}"
-    return None
 
 
 async def around_set_state(original, self, obj, *args, **kwargs):

@@ -1,0 +1,249 @@
+"""CedarRuntime: the one object that owns Cedar's side of every seam with SGLang.
+
+SGLang runs the scheduler, the radix tree and the HTTP server; Cedar keeps what SGLang has no
+notion of (the FP4 global rows per token slot, the private window state per request slot,
+snapshots for exact continuation, bounded replay). Everything SGLang's hooks and its model
+class ask of Cedar is a method here, and nothing here imports SGLang:
+
+| seam (who calls) | method |
+|---|---|
+| ``ModelRunner.alloc_memory_pool`` hook | :meth:`allocate` (pools sized from SGLang's) |
+| ``PrefillAdder._replay_len`` hook | :meth:`admission_replay_rows` |
+| ``ForwardBatch.init_new`` hook | :meth:`note_request` (per-request facts of the scheduler) |
+| ``release_kv_cache`` hook | :meth:`on_request_finished` (snapshot the window state) |
+| ``UnifiedRadixCache.checkpoint_into_tree`` hook | :meth:`on_request_inserted` (re-key it) |
+| ``/set_internal_state`` (handlers hook) | :meth:`set_switch` |
+| ``/get_server_info`` (state hook) | :meth:`internal_state` |
+| ``CedarForCausalLM.forward`` (SGLang's model class) | :meth:`step` |
+
+:meth:`step` is the one forward step: the per-request replay prepass (a benchmark switch), the
+plan, :func:`served_step` (keys from the pools, the layers, the commit) and the stats. SGLang's
+model class, the GPU check and the tests' harness all call it, so a test exercises the code
+SGLang runs.
+
+How a hook finds its runtime: the model runner's hooks read it off the model
+(``model_runner.model.runtime``); the tree-cache hooks, which see only SGLang's request-to-token
+pool, ask :func:`runtime_for` which live runtime was allocated against that pool (the process-
+level lookup SGLang itself uses for its pools, ``forward_context.get_req_to_token_pool``). No
+attribute is hung on an SGLang object.
+
+Why Cedar rides its own folded replay and not upstream's ``replay_len``: SGLang 0.5.23's
+``PrefillAdder._replay_len`` (the V4 path) only *charges* the prefill budget for the rows a
+hit replays; the replay itself is left to the model. Cedar uses that hook for exactly that
+(:meth:`admission_replay_rows`: W rows, or none when a snapshot continues the request) and folds
+the rows into the batch's one forward (:mod:`planner`), which upstream's model code does not do
+for a non-V4 architecture.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from cedar.kernels import cpu_ext
+
+from ..memory import budget_bytes_per_token, memory_report
+from ..model import CEDModel
+from .integrity import slot_integrity
+from .planner import RequestInfo, ServedForward, ServingFlags, admission_replay_rows, plan_forward
+from .pools import RequestSlots, TokenPools
+from .prepass import replay_prepass
+from .snapshots import SnapshotStore
+from .stats import ServingStats
+from .step import served_step
+
+logger = logging.getLogger(__name__)
+
+# runtime switches for /set_internal_state (0/1): benchmarks and tests flip modes in one server
+SWITCHES = {
+    "cedar_replay_per_request": lambda on: dict(replay_per_request=on),
+    "cedar_narrow": lambda on: dict(narrow=on),
+    "cedar_replay_exact": lambda on: dict(replay="exact" if on else "bounded"),
+    "cedar_snapshots": lambda on: dict(snapshots=on),
+}
+REPLAY_SWITCH = "cedar_replay_per_request"
+
+
+def switch_problem(server_args) -> str | None:
+    """Why a /set_internal_state body's Cedar switches are refused, or None (other keys are
+    SGLang's to judge)."""
+    for key, value in (server_args or {}).items():
+        if key.startswith("cedar_") and key not in SWITCHES:
+            return f"unknown Cedar switch {key!r}: one of {sorted(SWITCHES)}"
+        if key in SWITCHES and not (type(value) in (int, bool) and value in (0, 1)):
+            return f"{key} must be 0 or 1, got {value!r}"
+    return None
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """The host facts of one forward, as SGLang's ForwardBatch carries them (CPU lists; rows
+    ``[prefix_lens[b], prefix_lens[b] + extend_lens[b])`` of request ``b`` are scheduled).
+
+    req_to_token: (num request slots, max len) int32, SGLang's request-to-token-slot table."""
+
+    kind: str  # "decode" | "extend"
+    rids: list[str]
+    req_slots: list[int]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    req_to_token: Tensor
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """hidden: (rows, hidden) f32, the normed last hidden state of each scheduled row (0 where
+    its decoder did not run); decoded: (rows,) bool, the rows whose decoder ran."""
+
+    hidden: Tensor
+    decoded: Tensor
+    plan: ServedForward
+
+
+_LIVE: "weakref.WeakSet[CedarRuntime]" = weakref.WeakSet()
+
+
+def runtime_for(req_to_token_pool) -> "CedarRuntime | None":
+    """The live runtime allocated against SGLang's ``req_to_token_pool`` (None for another model's)."""
+    if req_to_token_pool is None:
+        return None
+    return next((rt for rt in list(_LIVE) if rt.sglang_pool is req_to_token_pool), None)
+
+
+class CedarRuntime:
+    """Cedar's serving state and every operation SGLang's seams ask of it (see the module doc)."""
+
+    def __init__(self, model: CEDModel, flags: ServingFlags, device: torch.device) -> None:
+        self.model, self.cfg, self.flags, self.device = model, model.cfg, flags, torch.device(device)
+        self.pools: TokenPools | None = None
+        self.slots: RequestSlots | None = None
+        self.snapshots: SnapshotStore | None = None
+        self.stats = ServingStats()
+        self.sglang_pool = None  # the SGLang request-to-token pool this runtime was allocated against
+        # NOTE: per-request facts of the scheduler, keyed by (request slot, prefix length): the
+        # forward batch SGLang hands the model is not always the object its init_new built, and
+        # with overlap scheduling a slot's next chunk can be noted before this one runs. A slot's
+        # entries go when a new request claims it (prefix 0) and when they are consumed, so
+        # the table is bounded by request slots x chunks in flight.
+        self._facts: dict[tuple[int, int], RequestInfo] = {}
+
+    # ------------------------------------------------------------------ pools
+    def allocate(self, num_token_slots: int, num_request_slots: int, page_size: int,
+                 sglang_pool=None) -> dict:
+        """Size Cedar's pools from SGLang's (token slots, request slots, page size); remember
+        SGLang's request-to-token pool so the tree-cache hooks find this runtime."""
+        if page_size % self.cfg.page_size:
+            raise ValueError(f"SGLang page size {page_size} is not a multiple of the model's "
+                             f"{self.cfg.page_size} (serve with --page-size {self.cfg.page_size})")
+        self.pools = TokenPools(self.cfg, num_token_slots, self.device)
+        self.slots = RequestSlots(self.cfg, num_request_slots, self.device)
+        self.snapshots = SnapshotStore(int(self.flags.snapshot_mb * 2**20)) if self.flags.snapshot_mb > 0 else None
+        self._facts.clear()
+        if sglang_pool is not None:
+            self.sglang_pool = sglang_pool
+            _LIVE.add(self)
+        return self.memory_figures()
+
+    def memory_figures(self) -> dict:
+        report = memory_report(self.cfg)
+        figures = {
+            "budget_bytes_per_token": budget_bytes_per_token(self.cfg),
+            "global_bytes_per_token": report.global_bytes_per_token,
+            "swa_bytes_per_request": report.swa_bytes_per_request,
+        }
+        if self.pools is not None:
+            figures.update(
+                token_slots=self.pools.num_slots, token_pool_bytes=self.pools.nbytes,
+                request_slots=self.slots.num_slots, request_slot_bytes=self.slots.nbytes,
+                swa_bytes_per_request_allocated=self.slots.window_bytes_per_slot,
+                snapshots=self.snapshots.stats() if self.snapshots is not None else None)
+        return figures
+
+    def kernel_info(self) -> dict:
+        """Which kernels serve: the dispatch backend, and on CPU whether the C++ kernels loaded."""
+        ks = self.model.kernels
+        return {"backend": ks.backend, "cpu_ext": ks.backend == "fast" and cpu_ext.available()}
+
+    def _ensure_pools(self) -> None:
+        if self.pools is None:  # the allocation hook did not run: fail loudly, never guess
+            raise RuntimeError("cedar pools were not allocated: the SGLang plugin hooks are not active")
+
+    # ------------------------------------------------------------------ admission and facts
+    def admission_replay_rows(self, hit: int, prefix_slots: Tensor | None) -> int:
+        """Replay rows SGLang's prefill budget must charge a request admitted at a prefix hit of
+        ``hit`` tokens; see planner.admission_replay_rows."""
+        if self.pools is None:
+            return 0
+        return admission_replay_rows(self.cfg, self.flags, self.pools, self.snapshots, hit, prefix_slots)
+
+    def note_request(self, slot: int, prefix_len: int, info: RequestInfo) -> None:
+        """What the scheduler knows of a request's next chunk and the forward does not carry."""
+        if prefix_len == 0:  # a new request in this slot: an aborted one's facts go
+            for key in [k for k in self._facts if k[0] == slot]:
+                del self._facts[key]
+        self._facts[(slot, prefix_len)] = info
+
+    def _take_facts(self, slot: int, prefix_len: int) -> RequestInfo:
+        return self._facts.pop((slot, prefix_len), RequestInfo())
+
+    # ------------------------------------------------------------------ release and checkpoint
+    def on_request_finished(self, slot: int, rid: str) -> bool:
+        """A request finished: keep its slot's state for exact continuation."""
+        if self.snapshots is None or not self.flags.snapshots or self.slots is None \
+                or self.slots.owners[slot].rid != rid:
+            return False
+        return self.snapshots.save(self.slots, slot, self.slots.owners[slot].hasher)
+
+    def on_request_inserted(self, rid: str, tree_slots: Tensor) -> None:
+        """The tree took a finished request's prefix (tree_slots: (n,) the slots it kept, the
+        request's own or an earlier copy's): key its snapshot by those (see SnapshotStore.rekey)."""
+        if self.snapshots is not None and self.pools is not None:
+            self.snapshots.rekey(rid, tree_slots, self.pools.token_ids)
+
+    # ------------------------------------------------------------------ switches and state
+    def set_switch(self, key: str, on: bool) -> None:
+        """Flip one runtime switch (a key of SWITCHES)."""
+        self.flags = dataclasses.replace(self.flags, **SWITCHES[key](bool(on)))
+
+    def internal_state(self, running: dict[int, str]) -> dict:
+        """Cedar's part of /get_server_info. running: request slot -> rid of running requests."""
+        state = dict(self.memory_figures())
+        broken = slot_integrity(self.slots, self.snapshots, running) if self.slots is not None else []
+        state["integrity"] = {"slots_ok": not broken, "slots_broken": broken[:20]}
+        state["replayed_tokens_total"] = self.stats.replayed_tokens
+        state["forward_ms"] = self.stats.forward_summary()
+        state["forward_rows_max"] = dict(self.stats.rows_max)
+        state["kernels"] = self.kernel_info()
+        state["flags"] = dataclasses.asdict(self.flags)
+        return state
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self, input_ids: Tensor, inp: StepInput) -> StepOutput:
+        """One forward of SGLang's scheduled rows. input_ids: (sum(extend_lens),) int on the pools'
+        device; the pools' token ids of the scheduled slots are already written (:meth:`write_ids`)."""
+        self._ensure_pools()
+        infos = [self._take_facts(s, p) for s, p in zip(inp.req_slots, inp.prefix_lens)]
+        if self.flags.replay_per_request:
+            for pre in replay_prepass(self.model, self.flags, self.slots, self.pools, inp.req_to_token,
+                                      inp.rids, inp.req_slots, inp.prefix_lens, self.snapshots):
+                self.stats.record(pre)
+        plan = plan_forward(self.cfg, self.flags, self.slots, self.pools, inp.req_to_token, inp.rids,
+                            inp.req_slots, inp.prefix_lens, inp.extend_lens, input_ids, infos, self.snapshots)
+        hidden, decoded = served_step(self.model, self.pools, self.slots, plan, input_ids.shape[0])
+        self.stats.record(plan, inp.kind)
+        return StepOutput(hidden, decoded, plan)
+
+    def write_ids(self, token_slots: Tensor, input_ids: Tensor) -> None:
+        """SGLang wrote the scheduled rows' K/V slots (``out_cache_loc``); record their token ids."""
+        self._ensure_pools()
+        self.pools.token_ids[token_slots.long()] = input_ids.int()
+
+    def meta_info(self, plan: ServedForward) -> dict:
+        """Per-request counters for each response's meta_info."""
+        return self.stats.meta_info(plan, self.slots)

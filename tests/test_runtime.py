@@ -1,0 +1,129 @@
+"""The runtime owns Cedar's side of every seam (``backend/serving/runtime.py``): how hooks find it,
+the per-request facts it keeps, its switches, and that the forward step is written once."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from cedar.backend.geometries import cedar_tiny
+from cedar.backend.model_io import random_model
+from cedar.backend.serving.driver import Driver, Req
+from cedar.backend.serving.planner import RequestInfo, ServingFlags
+from cedar.backend.serving.runtime import SWITCHES, CedarRuntime, runtime_for, switch_problem
+
+CFG = cedar_tiny()
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(CFG, seed=3).eval()
+
+
+class FakePool:  # stands in for SGLang's ReqToTokenPool: only its identity matters here
+    pass
+
+
+def test_hooks_find_the_runtime_allocated_against_their_pool_and_no_other(model):
+    a, b = FakePool(), FakePool()
+    rt = CedarRuntime(model, ServingFlags(), torch.device("cpu"))
+    assert runtime_for(a) is None
+    rt.allocate(512, 4, CFG.page_size, sglang_pool=a)
+    assert runtime_for(a) is rt and runtime_for(b) is None and runtime_for(None) is None
+    assert not hasattr(a, "cedar_model") and vars(a) == {}  # nothing hung on SGLang's object
+    del rt
+    import gc
+
+    gc.collect()
+    assert runtime_for(a) is None  # a dropped runtime is not found
+
+
+def test_page_size_that_is_not_a_multiple_is_refused(model):
+    rt = CedarRuntime(model, ServingFlags(), torch.device("cpu"))
+    with pytest.raises(ValueError, match="--page-size"):
+        rt.allocate(512, 4, CFG.page_size + 1)
+
+
+def test_step_before_allocation_fails_loudly(model):
+    rt = CedarRuntime(model, ServingFlags(), torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="not allocated"):
+        rt.write_ids(torch.tensor([2]), torch.tensor([5]))
+
+
+def test_request_facts_are_consumed_once_per_chunk_and_a_new_request_drops_stale_ones(model):
+    rt = CedarRuntime(model, ServingFlags(), torch.device("cpu"))
+    rt.allocate(512, 4, CFG.page_size)
+    rt.note_request(1, 0, RequestInfo(final_chunk=False))
+    rt.note_request(1, 64, RequestInfo(final_chunk=True, prompt_logprobs=True))  # its next chunk, noted early
+    assert rt._take_facts(1, 0) == RequestInfo(final_chunk=False)
+    assert rt._take_facts(1, 0) == RequestInfo()  # consumed: the default (a final chunk)
+    rt.note_request(2, 0, RequestInfo(final_chunk=False))
+    rt.note_request(2, 128, RequestInfo(final_chunk=False))
+    rt.note_request(2, 0, RequestInfo(prompt_logprobs=True))  # slot 2 aborted, a new request took it
+    assert set(rt._facts) == {(1, 64), (2, 0)}
+    assert rt._take_facts(1, 64).prompt_logprobs and rt._take_facts(2, 0).prompt_logprobs
+
+
+def test_scheduler_facts_reach_the_planner_through_the_step(model):
+    """A non-final chunk's decoder is skipped, a final one's runs: the facts noted for the slot
+    and prefix are the ones the step plans with."""
+    d = Driver(model, num_slots=2048, num_reqs=2)
+    W = CFG.sliding_window
+    req = Req("a", 1, [10 + i % 50 for i in range(4 * W)])
+    out = d.run([(req, 2 * W)], [RequestInfo(final_chunk=False)])
+    assert out.plan.requests[0].decoder == "skip" and not bool(out.decoded.any())
+    out = d.run([(req, 2 * W)], [RequestInfo(final_chunk=True)])
+    assert out.plan.requests[0].decoder == "tail"
+    assert out.decoded.tolist() == [False] * W + [True] * W  # the last W rows only
+    assert d.rt._facts == {}
+
+
+def test_switches_flip_the_flags_and_bad_ones_are_refused(model):
+    rt = CedarRuntime(model, ServingFlags(), torch.device("cpu"))
+    rt.set_switch("cedar_narrow", False)
+    rt.set_switch("cedar_replay_exact", True)
+    assert rt.flags.narrow is False and rt.flags.replay == "exact"
+    assert rt.internal_state({})["flags"]["replay"] == "exact"
+    assert switch_problem({"cedar_narrow": 2}) and switch_problem({"cedar_nope": 1})
+    assert switch_problem({"cedar_snapshots": 0, "other": "x"}) is None
+    assert set(SWITCHES) >= {"cedar_replay_per_request", "cedar_narrow", "cedar_replay_exact", "cedar_snapshots"}
+
+
+def _calls(path: Path, names: set[str]) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+            if name in names:
+                out.append(f"{path.relative_to(ROOT)}:{node.lineno} {name}")
+    return out
+
+
+def test_the_forward_step_is_written_once():
+    """Only ``step.py`` builds the pool keys and runs the layers for the served path: the
+    runtime, the prepass and the tests' harness call it (the GPU check's graph stage splits it
+    on purpose and checks the split against it)."""
+    files = sorted((ROOT / "backend" / "serving").glob("*.py")) + [ROOT / "tests" / "serving_harness.py"]
+    found = [c for f in files for c in _calls(f, {"run_layers", "PoolKeys"})]
+    assert found and all(c.startswith("backend/serving/step.py") for c in found), found
+    uses = [c for f in files for c in _calls(f, {"served_step"})]
+    assert {u.split(":")[0] for u in uses} == {"backend/serving/runtime.py", "backend/serving/prepass.py"}
+
+
+def test_hooks_hang_nothing_on_sglang_objects():
+    """The hook modules write no attribute of an SGLang object except SGLang's own sampling
+    seed fields (seed_hooks) and a structure's schema (tool_call_hooks): no side channel."""
+    allowed = {"info.sampling_seed", "self.sampling_seed", "other.sampling_seed", "structure.schema_"}
+    written = []
+    for name in ("sglang_hooks", "tool_call_hooks", "seed_hooks"):
+        tree = ast.parse((ROOT / "backend" / "serving" / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            written += [ast.unparse(t) for t in targets if isinstance(t, ast.Attribute)]
+    assert set(written) <= allowed, set(written) - allowed
