@@ -1,13 +1,21 @@
 """A short-context copy curriculum: does a model form a copy (induction) head, and when?
 
     .venv/bin/python scripts/copy_curriculum.py --init models/cedar-agent --out DIR \
-        [--seq-len 256] [--batch 16] [--steps 2000] [--lr 1e-3] [--threads 1]
+        [--kind copy|recall] [--seq-len 256] [--batch 16] [--steps 2000] [--lr 1e-3] [--threads 1] \
+        [--dense-steps N] [--export MODEL_DIR]
 
 Trains on synthetic copying rows only (`trainer.copy_row`: random strings of 8-48 ids from the
 non-special vocabulary said 2-4 times; the first statement input only, the repeats trained),
 through the trainer's `DenseForward` with bf16 matmuls, and every 25 steps scores greedy top-1
 accuracy on the repeats of 4 fixed held-out rows (seed 12345). Writes DIR/curve.jsonl as it goes
 and DIR/state.pt (model + optimizer) every 100 steps; a second run with the same DIR resumes.
+
+`--kind recall` trains `trainer.recall_row` instead (strings repeated at every distance up to the
+row's length: past the window only the global entries reach them), the first `--dense-steps`
+steps attending every visible global entry with the indexer distilled toward that attention (its
+warm-up); every 100 steps it also runs the copy probes (repeat accuracy and indexer recall by gap)
+into DIR/probes.jsonl. `--export MODEL_DIR` writes the current state as a model folder (weights,
+config and tokenizer of --init) and trains nothing.
 
 Why: the agent corpus alone left the repeat probe at chance (`cedar train --probe-only`); short
 rows (every repeat inside the 128-token window) are where the copy head is cheapest to form,
@@ -24,21 +32,23 @@ from pathlib import Path
 
 import torch
 
-from cedar.backend.model_io import load_model
+from cedar.backend.model_io import load_model, save_model
+from cedar.backend.tokenizer import TOKENIZER_FILES
 from cedar.backend.training.dense import DenseForward, Plan
-from cedar.backend.training.trainer import TrainConfig, copy_row, loss_of
+from cedar.backend.training.probes import ProbeSuite
+from cedar.backend.training.trainer import TrainConfig, copy_row, loss_of, recall_row
 
 
-def rows(tc: TrainConfig, first: int, n: int, seq_len: int):
-    made = [copy_row(tc, first + i, seq_len) for i in range(n)]
+def rows(tc: TrainConfig, first: int, n: int, seq_len: int, make=copy_row):
+    made = [make(tc, first + i, seq_len) for i in range(n)]
     return tuple(torch.stack([r[k] for r in made]) for k in range(3))
 
 
 @torch.no_grad()
-def repeat_accuracy(model, fwd: DenseForward, tc: TrainConfig, seq_len: int) -> float:
-    """Greedy top-1 accuracy on the trained (repeat) tokens of 4 fixed held-out copy rows."""
+def repeat_accuracy(model, fwd: DenseForward, tc: TrainConfig, seq_len: int, make=copy_row) -> float:
+    """Greedy top-1 accuracy on the trained (repeat) tokens of 4 fixed held-out rows."""
     model.eval()
-    ids, doc, w = rows(replace(tc, seed=12345), 0, 4, seq_len)
+    ids, doc, w = rows(replace(tc, seed=12345), 0, 4, seq_len, make)
     logits, _ = fwd.run(ids, doc, Plan())
     model.train()
     hit = logits[:, :-1].argmax(-1) == ids[:, 1:]
@@ -55,13 +65,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--kind", choices=("copy", "recall"), default="copy")
+    ap.add_argument("--dense-steps", type=int, default=0, help="first steps attend every global entry")
+    ap.add_argument("--aux-weight", type=float, default=TrainConfig.aux_weight, help="indexer distillation weight")
+    ap.add_argument("--aux-stride", type=int, default=8, help="indexer loss on every n-th query row")
+    ap.add_argument("--export", type=Path, help="write the saved state as a model folder here; no training")
     a = ap.parse_args()
+    make = recall_row if a.kind == "recall" else copy_row
     torch.set_num_threads(a.threads)
     a.out.mkdir(parents=True, exist_ok=True)
     model = load_model(Path(a.init), quantize=False)
     model.train()
-    tc = TrainConfig(seed=0, bf16=True, steps=a.steps, batch=a.batch, seq_len=a.seq_len)
-    fwd = DenseForward(model)
+    tc = TrainConfig(seed=0, bf16=True, steps=a.steps, batch=a.batch, seq_len=a.seq_len, aux_weight=a.aux_weight)
+    fwd = DenseForward(model, aux_stride=a.aux_stride)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.01)
     start, state = 0, a.out / "state.pt"
     if state.is_file():
@@ -69,25 +85,38 @@ def main() -> None:
         model.load_state_dict(s["model"])
         opt.load_state_dict(s["opt"])
         start = s["step"]
+    if a.export:
+        import shutil
+
+        a.export.mkdir(parents=True, exist_ok=True)
+        save_model(model, a.export)
+        for name in TOKENIZER_FILES + ("generation_config.json",):
+            if (Path(a.init) / name).exists():
+                shutil.copy(Path(a.init) / name, a.export / name)
+        print(f"exported step {start} to {a.export}")
+        return
+    probes = ProbeSuite(model.cfg)
     t0 = time.time()
     with open(a.out / "curve.jsonl", "a") as log:
         for step in range(start, a.steps):
             for g in opt.param_groups:
                 g["lr"] = a.lr * min(1.0, (step + 1) / 20)
-            ids, doc, w = rows(tc, step * a.batch, a.batch, a.seq_len)
-            loss, _ = loss_of(fwd, ids, doc, w, Plan(), tc)
+            ids, doc, w = rows(tc, step * a.batch, a.batch, a.seq_len, make)
+            loss, _ = loss_of(fwd, ids, doc, w, Plan(dense_global=step < a.dense_steps), tc)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             if step % 25 == 0 or step == a.steps - 1:
                 rec = {"step": step, "loss": round(float(loss.detach()), 4),
-                       "repeat_acc": round(repeat_accuracy(model, fwd, tc, a.seq_len), 4),
+                       "repeat_acc": round(repeat_accuracy(model, fwd, tc, a.seq_len, make), 4),
                        "seconds": round(time.time() - t0, 1)}
                 print(rec, flush=True)
                 log.write(json.dumps(rec) + "\n")
                 log.flush()
             if (step + 1) % 100 == 0 or step + 1 == a.steps:
+                with open(a.out / "probes.jsonl", "a") as pl:
+                    pl.write(json.dumps({"step": step + 1, **probes.run(model)}) + "\n")
                 torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1}, state)
 
 

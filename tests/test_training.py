@@ -229,6 +229,29 @@ def test_copy_rows_repeat_random_strings_and_train_only_the_repeats():
         assert int(x.min()) >= 8 and int(x.max()) < 2046
 
 
+def test_recall_rows_repeat_earlier_strings_at_every_distance_and_train_only_what_can_be_copied():
+    """Each trained token is the next token of a string stated earlier in the row (so copying
+    predicts it), the strings' first statements and each repeat's first token carry no loss,
+    and repeats reach back past the window."""
+    from cedar.backend.training.trainer import UNTRAINED, recall_row
+
+    tc = TrainConfig(recall_share=1.0)
+    ids, doc, w = recall_row(tc, 3, 1024)
+    assert torch.equal(ids, recall_row(tc, 3, 1024)[0]) and not torch.equal(ids, recall_row(tc, 4, 1024)[0])
+    assert set(doc.tolist()) <= {0, -1} and int((doc == 0).sum()) > 900
+    ids_l, w_l = ids.tolist(), w.tolist()
+    trained = [t for t in range(1, len(ids_l)) if w_l[t] == 1]
+    assert len(trained) > 200 and all(w_l[t - 1] != 0 for t in trained)
+    far = 0
+    for t in trained:
+        # the bigram (previous, this) occurred before, untrained-first-statement included
+        seen = [s for s in range(1, t)
+                if ids_l[s - 1] == ids_l[t - 1] and ids_l[s] == ids_l[t] and w_l[s] == UNTRAINED]
+        assert seen, f"token {t} copies nothing stated before"
+        far += t - seen[-1] > 128
+    assert far > 50  # repeats beyond the 128-token window
+
+
 def test_untrained_tokens_carry_no_loss(small_corpus):
     from cedar.backend.training.trainer import UNTRAINED, loss_of
 

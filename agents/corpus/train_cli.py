@@ -112,7 +112,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     warmup = args.warmup if args.warmup is not None else min(50, max(1, args.steps // 10))
     tc = TrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
                      warmup=warmup, checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
-                     bf16=args.bf16, init=args.init or "", copy_share=args.copy_share)
+                     bf16=args.bf16, init=args.init or "", copy_share=args.copy_share,
+                     recall_share=args.recall_share, context_weight=args.context_weight,
+                     dense_share=args.dense_share)
     if args.export:  # the latest checkpoint as a model folder, no training
         from cedar.backend.training.trainer import CHECKPOINT, init_model
 
@@ -159,6 +161,12 @@ def register(sub) -> None:
     p.add_argument("--init", help="warm start from this model folder (its weights and tokenizer)")
     p.add_argument("--copy-share", type=float, default=0.0,
                    help="chance that a step's last row is synthetic copying (repeated random strings)")
+    p.add_argument("--recall-share", type=float, default=0.0,
+                   help="of the copy rows, the share that repeat strings at every distance (trainer.recall_row)")
+    p.add_argument("--context-weight", type=float, default=TrainConfig.context_weight,
+                   help="loss weight of tokens outside the assistant's turns (assistant tokens: 1)")
+    p.add_argument("--dense-share", type=float, default=0.0,
+                   help="a first share of steps attends every visible global entry (indexer warm-up)")
     p.add_argument("--warmup", type=int, help="warm-up steps (default: min(50, steps / 10))")
     p.add_argument("--export", action="store_true", help="only write the latest checkpoint to DIR/model")
     p.add_argument("--no-probes", action="store_true", help="skip the copy probes at each eval")

@@ -50,6 +50,7 @@ class TrainConfig:
     bf16: bool = False  # matmuls under CPU autocast to bfloat16 (weights, optimizer and loss stay f32)
     init: str = ""  # warm start: an HF model folder whose weights replace the random init
     copy_share: float = 0.0  # chance that a step's last row is synthetic copying (see copy_row)
+    recall_share: float = 0.0  # of those copy rows, the share that are recall rows (see recall_row)
     copy_vocab: tuple[int, int] = (8, 2046)  # token ids copy rows draw from (no special tokens)
 
 
@@ -134,6 +135,38 @@ def copy_row(tc: TrainConfig, step: int, seq_len: int) -> tuple[torch.Tensor, to
         w[at:at + len(s)] = UNTRAINED
         w[at + len(s):at + n] = 1
         at, d = at + n + n % 2, d + 1
+
+
+def recall_row(tc: TrainConfig, step: int, seq_len: int,
+               repeat_p: float = 0.5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A row of one document that states random strings (8-32 distinct ids each, input only) and
+    repeats earlier ones at every distance the row allows: each item is, with chance
+    ``repeat_p``, a repeat of a string stated anywhere before (chosen uniformly, so distances
+    spread from 0 to the row's length), else a new string. A repeat's first id names which string
+    is meant and is not predictable (UNTRAINED); the ids after it carry the loss (weight 1). This
+    is the distance curriculum: past the 128-token window a repeat is reachable only through the
+    global entries the indexer selects, so training it trains that path.
+    -> ids (T,) int64, doc (T,) int64 (-1 = pad), weight (T,) uint8."""
+    rng = random.Random(f"{tc.seed}:recall:{step}")
+    ids = torch.zeros(seq_len, dtype=torch.long)
+    doc = torch.full((seq_len,), -1, dtype=torch.long)
+    w = torch.zeros(seq_len, dtype=torch.uint8)
+    stated: list[list[int]] = []
+    at = 0
+    while True:
+        if stated and rng.random() < repeat_p:
+            s, first = rng.choice(stated), False
+        else:
+            s, first = rng.sample(range(*tc.copy_vocab), rng.randint(8, 32)), True
+        if at + len(s) > seq_len:
+            return ids, doc, w
+        ids[at:at + len(s)] = torch.tensor(s)
+        doc[at:at + len(s)] = 0
+        w[at:at + (len(s) if first else 1)] = UNTRAINED
+        w[at + (len(s) if first else 1):at + len(s)] = 1
+        if first:
+            stated.append(s)
+        at += len(s)
 
 
 def step_plan(tc: TrainConfig, step: int, seq_len: int, W: int) -> Plan:
@@ -243,7 +276,9 @@ def train(cfg: CEDConfig, arrays: dict, heldout: dict | None, tc: TrainConfig, o
             g["lr"] = lr_at(tc, step)
         ids, doc, w = make_batch(arrays, rows, perm[step * tc.batch:(step + 1) * tc.batch], tc.seq_len, cfg.pad_token_id)
         if tc.copy_share and random.Random(f"{tc.seed}:copy-step:{step}").random() < tc.copy_share:
-            ids[-1], doc[-1], w[-1] = copy_row(tc, step, tc.seq_len)
+            recall = tc.recall_share and random.Random(f"{tc.seed}:recall-step:{step}").random() < tc.recall_share
+            make = recall_row if recall else copy_row
+            ids[-1], doc[-1], w[-1] = make(tc, step, tc.seq_len)
         plan = step_plan(tc, step, tc.seq_len, cfg.sliding_window)
         loss, plain = loss_of(fwd, ids, doc, w, plan, tc)
         opt.zero_grad(set_to_none=True)
