@@ -14,9 +14,17 @@ its task's outcome) and for `cedar evaluate` (a model's run).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
-from .corpus.tasks import Task
 from .sandbox import Sandbox
+
+
+class Task(Protocol):
+    """What the judge reads of a task (``cedar.training.corpus.tasks.Task`` has it)."""
+
+    agent: str
+    inputs: dict
+    expect: dict
 
 TEST_TIMEOUT_S = 10.0
 

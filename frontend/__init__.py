@@ -1,5 +1,2 @@
-"""cedar.frontend"""
-
-from .executor_fix import install as _install_executor_fix
-
-_install_executor_fix()
+"""cedar.frontend: SGLang frontend-language programs against a Cedar server. Importing it changes
+nothing in SGLang; making a `CedarEndpoint` installs the interpreter fix (`executor_fix`)."""

@@ -86,6 +86,9 @@ class CedarEndpoint(RuntimeEndpoint):
 
     def __init__(self, base_url: str, api_key: str | None = None, carry_tokens: bool = True) -> None:
         register()
+        from .executor_fix import install as install_executor_fix
+
+        install_executor_fix()  # NOTE: before any program runs on this endpoint
         super().__init__(base_url, api_key=api_key, chat_template_name=TEMPLATE_NAME)
         self.ledger = TokenLedger(self._load_tokenizer()) if carry_tokens else None
         self.records: list[RequestRecord] = []
@@ -141,7 +144,7 @@ class CedarEndpoint(RuntimeEndpoint):
 
     def observe(self, s, data: dict, obj: dict, sent_s: float, done_s: float) -> None:
         """Called with every request sent (``data``, with ``input_ids`` when tokens are carried)
-        and its answer; a hook for recorders (`cedar.agents.record`)."""
+        and its answer; a hook for recorders (`cedar.drivers.bench.record`)."""
 
     def _record_output(self, text: str, prompt_ids: list[int], obj: dict) -> None:
         out_ids = list(obj.get("output_ids") or [])

@@ -29,7 +29,7 @@ def serve(model: str | Path | None = None, serve_args: tuple[str, ...] = (),
           log_path: Path | None = None):
     """`cedar serve` on `model` (default: the shipped model) in a child process for the block;
     yields the `ServerProcess` (`.url`, `.post(path, payload)`)."""
-    from cedar.backend.demo import ensure_model
+    from cedar.backend.serve_demo import ensure_model
     from cedar.backend.serving.launch import ServeConfig
     from cedar.backend.serving.process import ServerProcess, free_port
 

@@ -34,9 +34,9 @@ import torch
 
 from cedar.backend.model_io import load_model, save_model
 from cedar.backend.tokenizer import TOKENIZER_FILES
-from cedar.backend.training.dense import DenseForward, Plan
-from cedar.backend.training.probes import ProbeSuite
-from cedar.backend.training.trainer import TrainConfig, copy_row, loss_of, recall_row
+from cedar.training.dense import DenseForward, Plan
+from cedar.training.probes import ProbeSuite
+from cedar.training.trainer import TrainConfig, copy_row, loss_of, recall_row
 
 
 def rows(tc: TrainConfig, first: int, n: int, seq_len: int, make=copy_row):

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from cedar.agents.fidelity import table_markdown
+from cedar.drivers.fidelity import table_markdown
 
 
 def pct(x: float) -> str:
@@ -22,7 +22,7 @@ def gold_recall_distances(model_dir: Path, n: int) -> dict:
     """Token distance from the value's first appearance to the answer, in the scripted sessions."""
     from tokenizers import Tokenizer
 
-    from cedar.agents.corpus.build import make_tasks, run_scripted
+    from cedar.training.corpus.build import make_tasks, run_scripted
 
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     d = []
@@ -150,7 +150,7 @@ pools); the default model of `cedar serve`, `cedar agent run` and `make demo`.
 ## Training
 
 - **Corpus** (built offline from seed 0, nothing downloaded): Cedar's own agent programs
-  (`cedar.agents`) run with a scripted policy that knows the answer (`cedar.agents.corpus`): ReAct
+  (`cedar.agents`) run with a scripted policy that knows the answer (`cedar.training.corpus`): ReAct
   over generated facts (one / two hops, arithmetic, a wrong key then the tool's hint), long-range
   recall (a value from the first tool result, asked for after 5-8 long notes), the coding agent in
   real sandboxes (a generated module with one bug, its test; parallel `fork` reads, a subagent, edit,
@@ -167,7 +167,7 @@ pools); the default model of `cedar serve`, `cedar agent run` and `make demo`.
 
 {stages_table(chain)}
 
-  The batched training forward (`cedar.backend.training.dense`) computes the served model's maths
+  The batched training forward (`cedar.training.dense`) computes the served model's maths
   (checked against the reference to 2e-5). 35% of steps simulate an encoder-side prefix hit with
   bounded replay (rows after the hit see only the last W replayed tokens and the cached global KV)
   and a narrowed prompt end; 25% narrowing only. The indexer learns by distillation from the

@@ -178,13 +178,13 @@ def test_function_calling_runner_scores_hand_written_tasks(checked_server, backe
 
 def test_cli_agent_run(checked_server, tmp_path):
     out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, "-m", "cedar.backend.cli", "agent", "run", "function-calling",
+    proc = subprocess.run([sys.executable, "-m", "cedar.cli", "agent", "run", "function-calling",
                            "--server", checked_server.url, "--task", "tests/data/fc_forced.json", "--json", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "prompt cached" in proc.stdout and "2/3 calls right" in proc.stdout
     result = json.loads(out.read_text())
     assert result["scores"]["calls_ok"] == 2 and len(result["records"]) >= 3
-    bad = subprocess.run([sys.executable, "-m", "cedar.backend.cli", "agent", "run", "function-calling",
+    bad = subprocess.run([sys.executable, "-m", "cedar.cli", "agent", "run", "function-calling",
                           "--server", checked_server.url, "--task", "README.md"], capture_output=True, text=True)
     assert bad.returncode == 2 and "neither JSON nor JSONL" in bad.stderr

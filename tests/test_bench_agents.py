@@ -20,7 +20,7 @@ TOLERANCE = 0.005
 @pytest.mark.slow
 def test_quick_agent_benchmark(tmp_path):
     out = tmp_path / "agents.json"
-    proc = subprocess.run([sys.executable, "-m", "cedar.backend.cli", "bench", "agents", "--quick", "--json", str(out),
+    proc = subprocess.run([sys.executable, "-m", "cedar.cli", "bench", "agents", "--quick", "--json", str(out),
                            "--plot", str(tmp_path / "agents.png"), "--sessions", str(tmp_path / "sessions.jsonl")],
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]

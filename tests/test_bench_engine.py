@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from cedar.backend.bench.engine import EngineGrid, StockServe, format_table, run_engine_benchmark, table
+from cedar.drivers.bench.engine import EngineGrid, StockServe, format_table, run_engine_benchmark, table
 from cedar.backend.config import CEDConfig
 from cedar.backend.cli import DEFAULT_MODEL_DIR
 

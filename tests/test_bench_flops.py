@@ -1,6 +1,6 @@
 """The FLOP model behind `cedar bench prefill`'s analytic bound."""
 
-from cedar.backend.bench.flops import flop_estimate, layer_flops, narrowing_speedup_bound, prefill_flops
+from cedar.drivers.bench.flops import flop_estimate, layer_flops, narrowing_speedup_bound, prefill_flops
 from cedar.backend.geometries import cedar_tiny, v41_flash
 
 

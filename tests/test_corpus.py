@@ -8,15 +8,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cedar.agents.corpus.bugs import BUG_KINDS, make_bug
-from cedar.agents.corpus.build import (HELDOUT, TRAIN_MIX, CorpusError, build_corpus, encode_session, make_tasks,
+from cedar.training.corpus.bugs import BUG_KINDS, make_bug
+from cedar.training.corpus.build import (HELDOUT, TRAIN_MIX, CorpusError, build_corpus, encode_session, make_tasks,
                                        prompt_key, run_scripted, split_at_gens, tokenize_corpus, train_tasks,
                                        value_at)
-from cedar.agents.corpus.common import side
-from cedar.agents.corpus.copying import CopyStats, copy_stats
-from cedar.agents.corpus.schemas import FRAMES, catalogue, loop_text, sample_value
-from cedar.agents.corpus.scripted import ScriptedBackend, ScriptError
-from cedar.agents.corpus.tasks import GENERATORS, QUESTIONS, recall_task
+from cedar.training.corpus.common import side
+from cedar.training.corpus.copying import CopyStats, copy_stats
+from cedar.training.corpus.schemas import FRAMES, catalogue, loop_text, sample_value
+from cedar.training.corpus.scripted import ScriptedBackend, ScriptError
+from cedar.training.corpus.tasks import GENERATORS, QUESTIONS, recall_task
 from cedar.backend.chat_template import CALL_HEAD, tool_call_text
 from cedar.backend.tokenizer import build_tokenizer
 
@@ -261,7 +261,7 @@ def test_copied_values_tokenize_as_where_they_are_stated():
 
 
 def test_a_random_values_first_statement_carries_no_loss(tmp_path):
-    from cedar.backend.training.trainer import UNTRAINED
+    from cedar.training.trainer import UNTRAINED
     from tokenizers import Tokenizer
 
     task = next(t for t in make_tasks(8, "train", {"function-calling": 10})

@@ -10,10 +10,10 @@ import sys
 import pytest
 
 from cedar.agents.api_loop import LoopTurn, score_loop
-from cedar.agents.corpus.build import make_tasks
-from cedar.agents.corpus.scripted import ScriptedBackend
-from cedar.agents.corpus.tasks import Task
-from cedar.agents.evaluate import evaluate_tasks, template_of
+from cedar.training.corpus.build import make_tasks
+from cedar.training.corpus.scripted import ScriptedBackend
+from cedar.training.corpus.tasks import Task
+from cedar.drivers.evaluate import evaluate_tasks, template_of
 from cedar.agents.outcome import coding_test, outcome_ok, run_test
 
 BUGGY = "def add(a, b):\n    return a - b\n"
@@ -141,7 +141,7 @@ def test_cli_agent_run_reports_a_bad_task_and_runs_the_rest(tiny_server, tmp_pat
              fc_task("b")]
     path, out = tmp_path / "tasks.json", tmp_path / "out.json"
     path.write_text(json.dumps(tasks))
-    proc = subprocess.run([sys.executable, "-m", "cedar.backend.cli", "agent", "run", "function-calling",
+    proc = subprocess.run([sys.executable, "-m", "cedar.cli", "agent", "run", "function-calling",
                            "--server", tiny_server.url, "--task", str(path), "--json", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -157,7 +157,7 @@ def test_cli_evaluate_writes_both_splits_and_the_api_loops(tiny_server, tmp_path
     """The OpenAI-API loop through the real server and `openai` client (a random model: it must
     still come back with a transcript per loop, scored, and the JSON for each split)."""
     out = tmp_path / "eval.json"
-    proc = subprocess.run([sys.executable, "-m", "cedar.backend.cli", "evaluate", "--server", tiny_server.url,
+    proc = subprocess.run([sys.executable, "-m", "cedar.cli", "evaluate", "--server", tiny_server.url,
                            "--kinds", "api-loop", "--limit", "1", "--loop-requests", "2", "--json", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -95,7 +95,7 @@ def test_a_task_file_with_bad_tasks_keeps_the_good_ones(tmp_path):
 
 
 def test_the_runner_scores_the_good_tasks_beside_a_bad_one():
-    from cedar.agents.corpus.scripted import ScriptedBackend
+    from cedar.training.corpus.scripted import ScriptedBackend
     from cedar.agents.runs import run_function_calling
 
     tasks = [good_task("a"), good_task("bad"), good_task("b")]

@@ -1,25 +1,65 @@
-"""Layering: agents/ -> frontend/ -> backend/ -> kernels/; nothing imports a layer above it."""
+"""Layering by role, bottom-up: kernels -> backend (the serving core) -> frontend -> agents ->
+training (corpus and trainer) -> drivers (benchmarks, soak, evaluation, fidelity) -> cli. No
+module imports a layer above its own, absolutely or relatively (a relative import is resolved
+from the importing file's place)."""
 
 import ast
 from pathlib import Path
 
 import pytest
 
-LAYERS = ["kernels", "backend", "frontend", "agents"]
+LAYERS = ["kernels", "backend", "frontend", "agents", "training", "drivers", "cli"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def module_of(path: Path) -> list[str]:
+    """``drivers/bench/hits.py`` -> ["cedar", "drivers", "bench", "hits"] (a package: its folder)."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ["cedar"] + (parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every cedar module ``path`` imports, relative imports resolved."""
+    here = module_of(path)
+    package = here if path.name == "__init__.py" else here[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                found.add(node.module or "")
+            else:
+                base = package[:len(package) - (node.level - 1)]
+                found.add(".".join(base + ([node.module] if node.module else [])))
+    return {m for m in found if m.startswith("cedar.")}
 
 
 def imported_layers(path: Path) -> set[str]:
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
-        found |= {n.split(".")[1] for n in names if n.startswith("cedar.") and n.count(".") >= 1}
-    return found
+    return {m.split(".")[1] for m in imported_modules(path)}
 
 
 @pytest.mark.parametrize("layer", LAYERS)
 def test_no_layer_imports_one_above_it(layer):
     above = set(LAYERS[LAYERS.index(layer) + 1:])
-    for path in sorted(Path(layer).rglob("*.py")):
+    files = sorted((ROOT / layer).rglob("*.py"))
+    assert files
+    for path in files:
         bad = imported_layers(path) & above
         assert not bad, f"{path} imports {bad}"
+
+
+def test_relative_imports_are_resolved(tmp_path, monkeypatch):
+    """The check sees a relative import that climbs into another layer (it can fail)."""
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    bad = tmp_path / "backend" / "serving" / "x.py"
+    bad.parent.mkdir(parents=True)
+    bad.write_text("from ...drivers.bench import hits\nfrom .planner import ServingFlags\n")
+    assert imported_modules(bad) == {"cedar.drivers.bench", "cedar.backend.serving.planner"}
+    assert imported_layers(bad) & {"drivers"}
+
+
+def test_every_top_level_package_is_a_layer():
+    """A new top-level folder of Python code must be placed in the order above."""
+    tops = {p.parent.relative_to(ROOT).parts[0] for p in ROOT.glob("*/__init__.py")}
+    assert tops <= set(LAYERS), tops - set(LAYERS)

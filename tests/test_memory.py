@@ -26,7 +26,7 @@ def test_cedar_tiny_figures():
 
 
 def test_cli_memory_json():
-    out = subprocess.run([sys.executable, "-m", "cedar.backend.cli", "memory", "--geometry", "v41-flash", "--json"],
+    out = subprocess.run([sys.executable, "-m", "cedar.cli", "memory", "--geometry", "v41-flash", "--json"],
                          capture_output=True, text=True, check=True).stdout
     d = json.loads(out)
     assert d["global_bytes_per_token"] == 890 and d["swa_bytes_per_request"] == 2703360
@@ -34,6 +34,6 @@ def test_cli_memory_json():
 
 
 def test_cli_unknown_geometry_is_a_clear_error():
-    p = subprocess.run([sys.executable, "-m", "cedar.backend.cli", "memory", "--geometry", "nope"],
+    p = subprocess.run([sys.executable, "-m", "cedar.cli", "memory", "--geometry", "nope"],
                        capture_output=True, text=True)
     assert p.returncode == 2 and "unknown geometry 'nope'" in p.stderr

@@ -16,7 +16,7 @@ from cedar.backend.geometries import cedar_tiny
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny")
-    subprocess.run([sys.executable, "-m", "cedar.backend.cli", "init-model", "--geometry", "cedar-tiny",
+    subprocess.run([sys.executable, "-m", "cedar.cli", "init-model", "--geometry", "cedar-tiny",
                     "--out", str(out)], check=True, capture_output=True)
     return out
 
@@ -67,13 +67,13 @@ def test_missing_weights_file_is_rejected(model_dir, tmp_path):
 
 
 def test_cli_generate_reference(model_dir):
-    out = subprocess.run([sys.executable, "-m", "cedar.backend.cli", "generate", "--model", str(model_dir),
+    out = subprocess.run([sys.executable, "-m", "cedar.cli", "generate", "--model", str(model_dir),
                           "--prompt", "hello", "--max-new-tokens", "5"], check=True, capture_output=True, text=True)
     d = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(d["token_ids"]) == 5 and isinstance(d["text"], str)
 
 
 def test_cli_help_lists_subcommands():
-    out = subprocess.run([sys.executable, "-m", "cedar.backend.cli", "--help"], capture_output=True, text=True).stdout
+    out = subprocess.run([sys.executable, "-m", "cedar.cli", "--help"], capture_output=True, text=True).stdout
     for cmd in ("init-model", "memory", "generate", "demo"):
         assert cmd in out

@@ -10,7 +10,7 @@ import torch
 
 from cedar.backend.geometries import cedar_tiny
 from cedar.backend.model_io import random_model
-from cedar.backend.training.probes import (ProbeBatch, ProbeConfig, ProbeOutput, ProbeSuite, ValueCases, layout,
+from cedar.training.probes import (ProbeBatch, ProbeConfig, ProbeOutput, ProbeSuite, ValueCases, layout,
                                            repeat_cases, served_plan)
 
 AGENT = Path(__file__).resolve().parents[1] / "models" / "cedar-agent"

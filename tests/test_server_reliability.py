@@ -104,7 +104,7 @@ def test_a_chunk_too_small_for_replay_is_refused_at_start(tiny_model_dir):
 def _cedar_serve(model_dir, port, log_path):
     """``cedar serve`` itself (the CLI, which becomes SGLang's server), in a child process."""
     cfg = ServeConfig(model=str(model_dir), port=port)
-    argv = [sys.executable, "-m", "cedar.backend.cli", "serve", "--model", str(model_dir), "--port", str(port),
+    argv = [sys.executable, "-m", "cedar.cli", "serve", "--model", str(model_dir), "--port", str(port),
             "--sleep-on-idle"]
     return ServerProcess(cfg, log_path, argv=argv)
 

@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from cedar.backend.bench.agentx_like import AgentShape, agentx_like_rows, write_agentx_like
-from cedar.backend.bench.load_metrics import run_metrics, theoretical_hits, throughput_at_floor
-from cedar.backend.bench.session_graph import (Answered, GraphRequest, Logged, check_graph, graph_from_log,
+from cedar.drivers.bench.agentx_like import AgentShape, agentx_like_rows, write_agentx_like
+from cedar.drivers.bench.load_metrics import run_metrics, theoretical_hits, throughput_at_floor
+from cedar.drivers.bench.session_graph import (Answered, GraphRequest, Logged, check_graph, graph_from_log,
                                                load_graph, markers, prompt_lengths, replicate, save_graph)
-from cedar.backend.bench.trace_replay import graph_from_trace
-from cedar.backend.bench.traces import TokenMap, load_trace
+from cedar.drivers.bench.trace_replay import graph_from_trace
+from cedar.drivers.bench.traces import TokenMap, load_trace
 
 
 def _fork_session():
@@ -116,7 +116,7 @@ def test_agentx_like_trace_has_agentx_shape(tmp_path):
     g = graph_from_trace(trace, TokenMap(2048, 8))
     check_graph(g)
     prompts = [list(r.tail) for r in g]
-    from cedar.backend.bench.traces import theoretical_hits as file_order_hits
+    from cedar.drivers.bench.traces import theoretical_hits as file_order_hits
 
     rate = sum(file_order_hits(prompts, 2)) / sum(map(len, prompts))
     assert 0.8 < rate < 0.97, rate  # AgentX: 86-97% with an infinite cache

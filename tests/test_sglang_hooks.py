@@ -10,6 +10,7 @@ import pkgutil
 import pytest
 
 from cedar.backend.serving import seed_hooks, sglang_hooks, tool_call_hooks
+from cedar.frontend import executor_fix
 
 # target -> the parameters the hook relies on (in order, after self/cls)
 EXPECTED_PARAMS = {
@@ -31,15 +32,18 @@ TOOL_CALL_PARAMS = {
     "effective_tools": ["self", "request"],
     "legacy_tag": ["self", "at_least_one"],
 }
+EXECUTOR_PARAMS = {"executor_del": ["self"]}
 SEED_PARAMS = {"seed_batch": ["cls", "batch", "vocab_size"], "seed_merge": ["self", "other"],
                "seeded_draw": ["logprobs", "seed", "positions"]}
 ALL_TARGETS = {**{("serving", k): v for k, v in sglang_hooks.TARGETS.items()},
                **{("tool_call", k): v for k, v in tool_call_hooks.TARGETS.items()},
-               **{("seed", k): v for k, v in seed_hooks.TARGETS.items()}}
+               **{("seed", k): v for k, v in seed_hooks.TARGETS.items()},
+               **{("frontend", k): v for k, v in executor_fix.TARGETS.items()}}
 MODULE_KEYS = {"sglang_hooks": "serving", "tool_call_hooks": "tool_call", "seed_hooks": "seed"}
 ALL_PARAMS = {**{("serving", k): v for k, v in EXPECTED_PARAMS.items()},
               **{("tool_call", k): v for k, v in TOOL_CALL_PARAMS.items()},
-              **{("seed", k): v for k, v in SEED_PARAMS.items()}}
+              **{("seed", k): v for k, v in SEED_PARAMS.items()},
+              **{("frontend", k): v for k, v in EXECUTOR_PARAMS.items()}}
 
 
 def test_sglang_version_is_the_pinned_one():
@@ -319,3 +323,37 @@ def test_server_info_lists_every_hook(server):
     hooks = server.cedar_state()["hooks"]
     assert {(MODULE_KEYS[h["module"]], h["name"]): (h["target"], h["installed"]) for h in hooks} == {
         name: (target, True) for name, target in ALL_TARGETS.items()}
+
+
+def test_importing_the_frontend_changes_nothing_in_sglang_and_the_endpoint_fix_is_a_pinned_hook():
+    """In a fresh interpreter: importing cedar.frontend (and its endpoint module) leaves SGLang's
+    StreamExecutor.__del__ as SGLang wrote it; install() puts the fix on it through SGLang's hook
+    registry, read back from the live class, and a second install changes nothing."""
+    import subprocess
+    import sys
+
+    # NOTE: ids, not references: SGLang's registry rebinds every module global that holds the
+    # original function (``_propagate_patch``), a test's own variables included
+    code = (
+        "import inspect\n"
+        "from sglang.lang.interpreter import StreamExecutor\n"
+        "now = lambda: id(inspect.getattr_static(StreamExecutor, '__del__'))\n"
+        "before = now()\n"
+        "import cedar.frontend, cedar.frontend.endpoint, cedar.frontend.server\n"
+        "from cedar.frontend import executor_fix\n"
+        "assert now() == before, 'import patched SGLang'\n"
+        "assert not executor_fix.installed()\n"
+        "executor_fix.install(); once = now()\n"
+        "executor_fix.install()\n"
+        "assert executor_fix.installed() and once != before and now() == once\n"
+        "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_the_frontend_fix_refuses_another_sglang_version(monkeypatch):
+    import sglang
+
+    monkeypatch.setattr(sglang, "__version__", "0.0.1")
+    with pytest.raises(RuntimeError, match="written for sglang"):
+        executor_fix.install()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import start_server, wait_idle_and_check
 
-from cedar.agents.corpus.build import HELDOUT, make_tasks, outcome_ok, run_scripted, token_sessions, tokenize_corpus
+from cedar.training.corpus.build import HELDOUT, make_tasks, outcome_ok, run_scripted, token_sessions, tokenize_corpus
 from cedar.agents.runs import AGENTS
 from cedar.backend.chat_template import CHAT_TEMPLATE
 from cedar.backend.cli import DEFAULT_MODEL_DIR
@@ -72,7 +72,7 @@ def test_the_shipped_model_writes_valid_tool_calls_without_constraints(shipped_s
     """OpenAI API, `tool_choice: auto` (nothing constrains the text): the model's own calls parse
     with Cedar's tool-call parser and validate against the schemas. (Whether they are the *right*
     calls, and whether agent tasks succeed, is what `cedar evaluate` measures; see the card.)"""
-    from cedar.agents.evaluate import unconstrained_calls
+    from cedar.drivers.evaluate import unconstrained_calls
 
     tasks = make_tasks(0, "heldout", {"function-calling": 4})
     out = unconstrained_calls(shipped_server.url, str(MODEL), tasks)
@@ -105,7 +105,7 @@ def test_the_shipped_model_fixes_held_out_bugs_through_a_real_server(shipped_ser
 
 
 def test_fidelity_zero_difference_cases_are_exactly_zero(shipped_server):
-    from cedar.agents.fidelity import fidelity_report
+    from cedar.drivers.fidelity import fidelity_report
 
     tasks = make_tasks(0, "heldout", {"recall": 2, "react": 2})
     texts = [{"kind": t.kind, "text": run_scripted(t)[0]} for t in tasks]

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from cedar.backend.soak.bad_input import catalogue, has_message
-from cedar.backend.soak.load import LoadConfig, SentinelRecord
-from cedar.backend.soak.run import SoakConfig, _verify_sentinels, goal_status, judge_goals, run_soak, soak_passed
+from cedar.drivers.soak.bad_input import catalogue, has_message
+from cedar.drivers.soak.load import LoadConfig, SentinelRecord
+from cedar.drivers.soak.run import SoakConfig, _verify_sentinels, goal_status, judge_goals, run_soak, soak_passed
 
 from server_helpers import prompt, reference
 

@@ -7,8 +7,8 @@ import urllib.request
 
 import pytest
 
-from cedar.backend.bench.trace_replay import graph_from_trace, replay_trace
-from cedar.backend.bench.traces import TokenMap, TraceRequest, load_trace, theoretical_hits
+from cedar.drivers.bench.trace_replay import graph_from_trace, replay_trace
+from cedar.drivers.bench.traces import TokenMap, TraceRequest, load_trace, theoretical_hits
 
 MOONCAKE = "/work/shared/data/mooncake_fast25/conversation_trace.jsonl"
 

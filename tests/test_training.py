@@ -12,8 +12,8 @@ from cedar.backend.cache import cache_for_hit, new_cache
 from cedar.backend.geometries import cedar_tiny
 from cedar.backend.model import CEDModel
 from cedar.backend.model_io import random_model
-from cedar.backend.training.dense import DenseForward, Plan
-from cedar.backend.training.trainer import TrainConfig, pack_rows, step_plan, train
+from cedar.training.dense import DenseForward, Plan
+from cedar.training.trainer import TrainConfig, pack_rows, step_plan, train
 
 W = 128
 
@@ -110,7 +110,7 @@ def corpus_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def small_corpus(corpus_dir):
-    from cedar.agents.corpus.build import build_corpus, tokenize_corpus
+    from cedar.training.corpus.build import build_corpus, tokenize_corpus
     from cedar.backend.tokenizer import build_tokenizer, special_token_ids
 
     out = corpus_dir
@@ -122,7 +122,7 @@ def small_corpus(corpus_dir):
 
 
 def test_a_short_training_run_lowers_the_loss_and_resumes_exactly(small_corpus, corpus_dir, tmp_path):
-    from cedar.backend.training.probes import ProbeConfig, ProbeSuite
+    from cedar.training.probes import ProbeConfig, ProbeSuite
 
     arrays, cfg = small_corpus
     tc = TrainConfig(steps=16, batch=2, seq_len=256, warmup=2, lr=3e-3, checkpoint_every=100, eval_every=8)
@@ -155,7 +155,7 @@ def test_cedar_train_writes_a_model_folder_and_resumes(tmp_path):
 
     from cedar.backend.model_io import load_model
 
-    cmd = [sys.executable, "-m", "cedar.backend.cli", "train", "--out", str(tmp_path), "--steps", "4", "--batch", "1",
+    cmd = [sys.executable, "-m", "cedar.cli", "train", "--out", str(tmp_path), "--steps", "4", "--batch", "1",
            "--seq-len", "256", "--scale", "0.003", "--eval-every", "2", "--checkpoint-every", "2", "--no-progress",
            "--probe-quick"]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -173,7 +173,7 @@ def test_cedar_train_writes_a_model_folder_and_resumes(tmp_path):
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)  # resumes at step 4: nothing left
     assert again.returncode == 0 and json.loads((tmp_path / "loss_curve.json").read_text())["train"] == curve["train"]
     # the probes alone on a model folder, and a clear error for a folder that holds none
-    probe = [sys.executable, "-m", "cedar.backend.cli", "train", "--probe-only", str(tmp_path / "model"), "--json",
+    probe = [sys.executable, "-m", "cedar.cli", "train", "--probe-only", str(tmp_path / "model"), "--json",
              str(tmp_path / "probes.json"), "--probe-quick"]
     res = subprocess.run(probe, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -212,7 +212,7 @@ def test_a_warm_start_begins_from_the_given_weights(small_corpus, tmp_path):
 
 
 def test_copy_rows_repeat_random_strings_and_train_only_the_repeats():
-    from cedar.backend.training.trainer import UNTRAINED, copy_row
+    from cedar.training.trainer import UNTRAINED, copy_row
 
     tc = TrainConfig(copy_share=0.5)
     ids, doc, w = copy_row(tc, 7, 512)
@@ -233,7 +233,7 @@ def test_recall_rows_repeat_earlier_strings_at_every_distance_and_train_only_wha
     """Each trained token is the next token of a string stated earlier in the row (so copying
     predicts it), the strings' first statements and each repeat's first token carry no loss,
     and repeats reach back past the window."""
-    from cedar.backend.training.trainer import UNTRAINED, recall_row
+    from cedar.training.trainer import UNTRAINED, recall_row
 
     tc = TrainConfig(recall_share=1.0)
     ids, doc, w = recall_row(tc, 3, 1024)
@@ -253,7 +253,7 @@ def test_recall_rows_repeat_earlier_strings_at_every_distance_and_train_only_wha
 
 
 def test_untrained_tokens_carry_no_loss(small_corpus):
-    from cedar.backend.training.trainer import UNTRAINED, loss_of
+    from cedar.training.trainer import UNTRAINED, loss_of
 
     _, cfg = small_corpus
     fwd = DenseForward(random_model(cfg, 2))

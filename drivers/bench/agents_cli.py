@@ -1,14 +1,13 @@
 """``cedar bench agents``: Cedar under closed-loop agent load, every mode side by side, and the
-scale-out through SGLang's router (registered into ``cedar bench`` through the ``cedar.bench``
-entry point, so ``cedar.backend`` never imports ``cedar.agents``).
+scale-out through SGLang's router (registered into ``cedar bench`` by ``cedar.drivers.cli``).
 
-Workloads, both request graphs (``cedar.backend.bench.session_graph``):
+Workloads, both request graphs (``cedar.drivers.bench.session_graph``):
 
 - ``agents``: Cedar's own agent programs (coding with its parallel reads and a subagent, ReAct,
   fork, subagents, function calling), each run once on the Cedar server and recorded as token ids,
   then replayed ``--copies`` times per run, each copy a session with its own marker;
 - ``trace``: by default an AgentX-shaped session trace generated from the seed
-  (``cedar.backend.bench.agentx_like``: long system prompt, ~727 new and ~250 output tokens a
+  (``cedar.drivers.bench.agentx_like``: long system prompt, ~727 new and ~250 output tokens a
   turn, subagents); ``--trace FILE`` takes a Mooncake or Cedar-session trace instead (its first
   ``--trace-limit`` requests). Blocks map to ``--tokens-per-block`` ids (``docs/bench/traces.md``).
 """
@@ -23,7 +22,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from cedar.backend.bench.agent_load import (BASELINE, MODES, Matrix, Workload, headline, markdown_table, run_matrix,
+from cedar.drivers.bench.agent_load import (BASELINE, MODES, Matrix, Workload, headline, markdown_table, run_matrix,
                                             run_scale_out)
 
 AGENTX_LIKE = "agentx-like"
@@ -43,7 +42,7 @@ def _workloads(args, url: str, cfg) -> list[Workload]:
 
 
 def _agents_workload(args, url: str, cfg) -> Workload:
-    from cedar.backend.bench.session_graph import load_graph, replicate, save_graph
+    from cedar.drivers.bench.session_graph import load_graph, replicate, save_graph
 
     from .record import record_agents
 
@@ -58,14 +57,14 @@ def _agents_workload(args, url: str, cfg) -> Workload:
 
 
 def _trace_workload(args, url: str, cfg) -> Workload:
-    from cedar.backend.bench.agentx_like import AgentShape, write_agentx_like
-    from cedar.backend.bench.trace_replay import graph_from_trace
-    from cedar.backend.bench.traces import TokenMap, load_trace
+    from cedar.drivers.bench.agentx_like import AgentShape, write_agentx_like
+    from cedar.drivers.bench.trace_replay import graph_from_trace
+    from cedar.drivers.bench.traces import TokenMap, load_trace
 
     if args.trace == AGENTX_LIKE:
         shape = AgentShape(sessions=3, turns_median=4, turns_max=6) if args.quick else AgentShape()
         path = write_agentx_like(Path(tempfile.mkdtemp(prefix="cedar-agentx-")) / "trace.jsonl", shape, args.seed)
-        about = {"trace": f"{AGENTX_LIKE} (cedar.backend.bench.agentx_like, seed {args.seed})", "shape": asdict(shape)}
+        about = {"trace": f"{AGENTX_LIKE} (cedar.drivers.bench.agentx_like, seed {args.seed})", "shape": asdict(shape)}
     else:
         path, about = Path(args.trace), {"trace": str(args.trace)}
     trace = load_trace(path, args.trace_limit)
@@ -78,10 +77,10 @@ def run_agents_benchmark(args) -> dict:
     import sglang
     from tqdm import tqdm
 
-    from cedar.backend.bench.common import machine_info
-    from cedar.backend.bench.load_metrics import plot_pareto
+    from cedar.drivers.bench.common import machine_info
+    from cedar.drivers.bench.load_metrics import plot_pareto
     from cedar.backend.config import CEDConfig
-    from cedar.backend.demo import ensure_model
+    from cedar.backend.serve_demo import ensure_model
     from cedar.backend.serving.launch import ServeConfig
     from cedar.backend.serving.planner import ServingFlags
     from cedar.backend.serving.process import ServerProcess, free_port
@@ -178,7 +177,7 @@ def register(kinds) -> None:
     """Add ``agents`` to ``cedar bench``'s subparsers."""
     from cedar.frontend.server import DEFAULT_MODEL_DIR
 
-    from .runs import AGENTS
+    from cedar.agents.runs import AGENTS
 
     s = kinds.add_parser("agents", help="closed-loop agent sessions and a trace, every mode x concurrency: TTFT, "
                                         "output tok/s, P90 interactivity, hit rate vs theoretical; Pareto plot")

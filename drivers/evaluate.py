@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 from cedar.frontend.tools import ToolRegistry
 
-from .corpus.tasks import Task
-from .function_calling import same_json
-from .outcome import coding_test, outcome_ok
-from .runs import AGENTS
+from cedar.training.corpus.tasks import Task
+from cedar.agents.function_calling import same_json
+from cedar.agents.outcome import coding_test, outcome_ok
+from cedar.agents.runs import AGENTS
 
 W = 128
 FC_COUNTS = ("tasks", "tasks_ok", "tasks_exact", "task_errors", "calls", "names_ok", "calls_ok", "calls_exact",

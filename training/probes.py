@@ -16,7 +16,7 @@ eval and ``cedar train --probe-only MODEL_DIR`` on a model folder.
   entries; Reuse layers attend their producer's choice), beside the recall a random choice of
   k visible entries would get (``recall_chance``).
 
-Every case is scored through :class:`~cedar.backend.training.dense.DenseForward`, the trainer's
+Every case is scored through :class:`~cedar.training.dense.DenseForward`, the trainer's
 forward, with bounded replay simulated as serving does it (:func:`served_plan`): the prompt of a
 case is its tokens up to where the model starts writing (the repeat, the call); its last W rows
 are a narrowed prefill after an encoder-side prefix hit at ``prompt_end - W`` (when that is at

@@ -5,7 +5,7 @@ and the trained model in HF format in DIR/model.
     DIR/checkpoint.pt, loss_curve.json, loss_curve.png   (resumable: run the same command again)
     DIR/model/  config.json, model.safetensors, tokenizer files, chat template, training.json
 
-Every eval also runs the copy probes (``cedar.backend.training.probes``): their figures per eval
+Every eval also runs the copy probes (``cedar.training.probes``): their figures per eval
 step go to loss_curve.json / training.json (``probes``) and the plot's probe panels.
 ``cedar train --probe-only MODEL_DIR --json OUT`` runs the probes on a model folder, no training.
 """
@@ -24,10 +24,10 @@ import torch
 from cedar.backend.geometries import cedar_agent
 from cedar.backend.model_io import save_model
 from cedar.backend.tokenizer import TOKENIZER_FILES, build_tokenizer, generation_eos_token_ids, special_token_ids
-from cedar.backend.training.probes import QUICK, ProbeConfig, ProbeSuite
-from cedar.backend.training.trainer import TrainConfig, train
+from cedar.training.probes import QUICK, ProbeConfig, ProbeSuite
+from cedar.training.trainer import TrainConfig, train
 
-from .build import build_corpus, load_sessions, run_scripted, save_corpus, tokenize_corpus
+from cedar.training.corpus.build import build_corpus, load_sessions, run_scripted, save_corpus, tokenize_corpus
 
 VOCAB = 2048
 CONTEXT = 16384
@@ -116,7 +116,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                      recall_share=args.recall_share, context_weight=args.context_weight,
                      dense_share=args.dense_share)
     if args.export:  # the latest checkpoint as a model folder, no training
-        from cedar.backend.training.trainer import CHECKPOINT, init_model
+        from cedar.training.trainer import CHECKPOINT, init_model
 
         state = torch.load(out / CHECKPOINT, weights_only=False)
         model = init_model(cfg, 0)

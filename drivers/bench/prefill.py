@@ -65,9 +65,9 @@ def plot(table: list[dict], png: Path) -> None:
 def run_prefill_benchmark(model_dir, out_json, plot_png=None, prompt_lens=(512, 2048, 8192), repeats=5) -> dict:
     import sglang
 
-    from ..config import CEDConfig
-    from ..serving.launch import ServeConfig
-    from ..serving.process import ServerProcess, free_port
+    from cedar.backend.config import CEDConfig
+    from cedar.backend.serving.launch import ServeConfig
+    from cedar.backend.serving.process import ServerProcess, free_port
 
     cfg = CEDConfig.load(Path(model_dir))
     longest = max(prompt_lens) + 16
@@ -83,7 +83,7 @@ def run_prefill_benchmark(model_dir, out_json, plot_png=None, prompt_lens=(512, 
                         "prompts (no cache hit); modes interleaved per repeat via /set_internal_state cedar_narrow.",
                         "--chunked-prefill-size = longest prompt: each prefill is one forward.",
                         "upper_bound = max(ratio of layer-rows run, ratio of entries scored by the indexers) untrimmed "
-                        "vs narrowed (backend/bench/flops.py): holds whatever each term costs in this implementation.",
+                        "vs narrowed (drivers/bench/flops.py): holds whatever each term costs in this implementation.",
                         "flop_estimate = untrimmed / narrowed prefill FLOPs (time proportional to FLOPs); the torch "
                         "twins' top-k sorts and masks cost more than their FLOPs, so measured speedups can exceed it."]}
     t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 """The load a soak puts on a server: multi-turn sessions, chaos (disconnects, aborts), a steady
 stream of bad input, and sentinel requests whose greedy answers are checked against the
 reference afterwards. Every request is counted in :class:`Counts`; nothing here decides
-whether the run passed (see :mod:`cedar.backend.soak.run`).
+whether the run passed (see :mod:`cedar.drivers.soak.run`).
 
 Sessions talk token ids to ``/generate`` (the shared system prompt, a per-session marker, then
 turns of new "user" tokens and the model's own output, so every turn is a prefix hit and a
@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..bench.common import data_chunks, fresh_ids
-from ..serving.process import ServerClient
+from cedar.backend.serving.process import ServerClient
 from .bad_input import TOOLS, BadRequest, has_message
 
 SYSTEM_SEED = 7_000_000  # the system prompt every session shares

@@ -40,8 +40,8 @@ class SoakConfig:
 
 def _server_args(cfg: SoakConfig, model_dir: Path) -> tuple[tuple[str, ...], float]:
     """SGLang flags and the snapshot budget (MB) of a started server."""
-    from ..config import CEDConfig
-    from ..serving.pools import RequestSlots
+    from cedar.backend.config import CEDConfig
+    from cedar.backend.serving.pools import RequestSlots
 
     ced = CEDConfig.load(model_dir)
     working_set = cfg.load.sessions * cfg.load.max_context
@@ -63,7 +63,7 @@ def _rss_mb(pid: int | None) -> float | None:
 
 def _verify_sentinels(records, ref) -> tuple[int, list[dict]]:
     """(checked, mismatches) of the sentinels against the reference's greedy answer."""
-    from ..replay import reference_greedy
+    from cedar.backend.replay import reference_greedy
 
     checked, bad = 0, []
     for r in records:
@@ -96,11 +96,11 @@ def run_soak(cfg: SoakConfig, model_dir: Path, out_json: Path, server_url: str |
              api_key: str | None = None, log=print) -> dict:
     import sglang
 
-    from ..config import CEDConfig
-    from ..model_io import load_model
-    from ..serving.launch import ServeConfig
-    from ..serving.planner import ServingFlags
-    from ..serving.process import ServerClient, ServerProcess, free_port
+    from cedar.backend.config import CEDConfig
+    from cedar.backend.model_io import load_model
+    from cedar.backend.serving.launch import ServeConfig
+    from cedar.backend.serving.planner import ServingFlags
+    from cedar.backend.serving.process import ServerClient, ServerProcess, free_port
     from cedar.kernels.dispatch import KernelSet
 
     ced = CEDConfig.load(model_dir)

@@ -1,15 +1,15 @@
 """Record Cedar's agent programs as token-level sessions for the load benchmark: every request an
 agent sends (its prompt ids, the ids the server generated, when it was sent and answered), one
-session per agent run, turned into a request graph (`cedar.backend.bench.session_graph`)."""
+session per agent run, turned into a request graph (`cedar.drivers.bench.session_graph`)."""
 
 from __future__ import annotations
 
 import threading
 
-from cedar.backend.bench.session_graph import GraphRequest, Logged, graph_from_log
+from cedar.drivers.bench.session_graph import GraphRequest, Logged, graph_from_log
 from cedar.frontend.endpoint import CedarEndpoint
 
-from .runs import AGENTS, run_agent
+from cedar.agents.runs import AGENTS, run_agent
 
 
 class RecordingEndpoint(CedarEndpoint):

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..tokenizer import TOKENIZER_FILES
+from cedar.backend.tokenizer import TOKENIZER_FILES
 from .common import fresh_ids, machine_info, save_report, stream_body, stream_chunks, stream_generate
 
 ENGINE_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--dtype", "float32",
@@ -56,7 +56,7 @@ def write_llama_twin(model_dir: Path, out: Path) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ..config import CEDConfig
+    from cedar.backend.config import CEDConfig
 
     cfg = CEDConfig.load(model_dir)
     llama = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
@@ -223,9 +223,9 @@ def plot(rows: list[dict], png: Path) -> None:
 def run_engine_benchmark(model_dir: Path, out_json, plot_png=None, grid: EngineGrid = EngineGrid()) -> dict:
     import sglang
 
-    from ..config import CEDConfig
-    from ..serving.launch import ServeConfig
-    from ..serving.process import ServerProcess, free_port
+    from cedar.backend.config import CEDConfig
+    from cedar.backend.serving.launch import ServeConfig
+    from cedar.backend.serving.process import ServerProcess, free_port
 
     cfg = CEDConfig.load(model_dir)
     tmp = Path(tempfile.mkdtemp(prefix="cedar-llama-twin-"))

@@ -65,9 +65,9 @@ def run_trace_benchmark(model_dir: Path, trace_path: Path, out_json: Path, limit
                         server_url: str | None = None, tokens_per_block: int = 4) -> dict:
     import sglang
 
-    from ..config import CEDConfig
-    from ..serving.launch import ServeConfig
-    from ..serving.process import ServerProcess, free_port
+    from cedar.backend.config import CEDConfig
+    from cedar.backend.serving.launch import ServeConfig
+    from cedar.backend.serving.process import ServerProcess, free_port
 
     cfg = CEDConfig.load(model_dir)
     trace = load_trace(trace_path, limit)

@@ -133,7 +133,7 @@ def replay_graph(url: str, reqs: list[GraphRequest], concurrency: int, unit_mark
                  think_cap_s: float = 1.0, api_key: str | None = None,
                  on_answer: Callable[[Answered], None] | None = None) -> tuple[list[Answered], float]:
     """Run the workload closed-loop; (every request answered, in index order; wall seconds)."""
-    from ..serving.process import ServerClient
+    from cedar.backend.serving.process import ServerClient
 
     check_graph(reqs)
     client = ServerClient(url, api_key)

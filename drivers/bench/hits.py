@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from ..serving.runtime import REPLAY_SWITCH
+from cedar.backend.serving.runtime import REPLAY_SWITCH
 from .common import OUTPUT_LEN, Sample, fresh_ids, machine_info, save_report, set_switch, stream_body, stream_generate
 
 if TYPE_CHECKING:
-    from ..serving.process import ServerProcess
+    from cedar.backend.serving.process import ServerProcess
 
 MODES = ("cold", "hit_in_forward", "hit_per_request", "hit_restored")
 # NOTE: P is first served as P + a private suffix, as a shared system prompt is in an agent
@@ -239,9 +239,9 @@ def run_hits_benchmark(model_dir: str | Path, out_json: str | Path, plot_png: st
     """Start one server, measure every cell, write the JSON (and the PNG); return the report."""
     import sglang
 
-    from ..config import CEDConfig
-    from ..serving.launch import ServeConfig
-    from ..serving.process import ServerProcess, free_port
+    from cedar.backend.config import CEDConfig
+    from cedar.backend.serving.launch import ServeConfig
+    from cedar.backend.serving.process import ServerProcess, free_port
 
     grid = HitsGrid(tuple(prefixes), tuple(new_tokens), tuple(concurrency), repeats)
     cfg = CEDConfig.load(Path(model_dir))

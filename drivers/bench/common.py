@@ -79,7 +79,7 @@ def stream_body(ids: list[int], max_new_tokens: int = OUTPUT_LEN) -> bytes:
 
 def set_switch(srv, key: str, on: bool) -> None:
     """Flip a Cedar runtime switch (/set_internal_state) and check the server took it."""
-    from ..serving.runtime import SWITCHES
+    from cedar.backend.serving.runtime import SWITCHES
 
     status, out = srv.post("/set_internal_state", {"server_args": {key: int(on)}})
     flags = srv.cedar_state()["flags"]

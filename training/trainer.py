@@ -2,7 +2,7 @@
 cosine schedule, resumable checkpoints, the loss curve as JSON and PNG.
 
 Inputs are token arrays (``ids`` uint16, ``weight`` uint8 = 1 on assistant tokens, ``doc_start``
-offsets), produced by whoever built the corpus (``cedar.agents.corpus``). Every step's batch and
+offsets), produced by whoever built the corpus (``cedar.training.corpus``). Every step's batch and
 plan are a function of (seed, step), so a resumed run takes the same steps as an unbroken one.
 """
 

@@ -18,7 +18,7 @@ measured speedup stays below the bound.
 
 from __future__ import annotations
 
-from ..config import CEDConfig, Role
+from cedar.backend.config import CEDConfig, Role
 
 
 def _visible_entries(first: int, last: int, ratio: int) -> float:

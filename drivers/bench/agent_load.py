@@ -96,7 +96,7 @@ def run_scale_out(single, replicas, round_robin_url: str, workload: Workload, co
                   page_size: int, vocab_size: int, think_cap_s: float, progress: Callable | None = None) -> list[dict]:
     """The shipped mode on one server, then through the router over the replicas (cache-aware,
     then round-robin), on the same sessions (the same marker seed for all three)."""
-    from ..serving.process import ServerClient
+    from cedar.backend.serving.process import ServerClient
 
     workers = [ServerClient(u) for u in replicas.worker_urls]
     rows = []

@@ -33,8 +33,8 @@ from cedar.backend.tokenizer import END, ROLE_MARKERS
 
 from cedar.frontend.calls import ConstrainedCallError
 
-from ..outcome import outcome_ok
-from ..runs import AGENTS
+from cedar.agents.outcome import outcome_ok
+from cedar.agents.runs import AGENTS
 from .common import check_split
 from .schemas import check_calls, loop_text
 from .scripted import ScriptedBackend
@@ -178,14 +178,14 @@ def value_at(text: str, value: str, start: int = 0) -> int:
 def tokenize_corpus(sessions: list[dict], tokenizer_dir: Path) -> dict[str, np.ndarray]:
     """-> {"ids": (N,) uint16, "weight": (N,) uint8, "doc_start": (D+1,) int64}.
 
-    Weights (see `cedar.backend.training.trainer.loss_of`): 1 = assistant token (full loss);
+    Weights (see `cedar.training.trainer.loss_of`): 1 = assistant token (full loss);
     0 = context (user, tool and system text, plain code: the trainer's small `context_weight`);
     UNTRAINED = no loss: the tokens of a random value's first statement (a session's ``values``,
     where the first occurrence is outside an assistant message): it is noise there, and only its
     copies can be predicted."""
     from tokenizers import Tokenizer
 
-    from cedar.backend.training.trainer import UNTRAINED
+    from cedar.training.trainer import UNTRAINED
 
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     start_id, end_id = tok.token_to_id(ROLE_MARKERS["assistant"]), tok.token_to_id(END)

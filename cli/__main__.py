@@ -1,0 +1,5 @@
+import sys
+
+from cedar.cli import main
+
+sys.exit(main())

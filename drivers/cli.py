@@ -1,0 +1,316 @@
+"""The ``cedar`` subcommands of the tools that drive a server (the ``cedar`` command itself is
+``cedar.cli``):
+
+  bench     benchmarks against the real server (``hits``: TTFT of prefix-cache hits; ``prefill``:
+            decoder narrowing; ``engine``: Cedar vs other engines serving the same dims;
+            ``trace``: trace replay; ``agents``: the agent-load matrix)
+  soak      a long run of agent load with chaos and bad input, every phase checked (JSON report)
+  evaluate  the model on generated tasks through a real server, held-out and in-template apart
+  fidelity  bounded replay and narrowing vs exact on held-out sessions, served
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+from cedar.agents.cli import write_json
+from cedar.frontend.server import DEFAULT_MODEL_DIR, serve
+
+from .bench import agents_cli
+
+
+def _cmd_bench_hits(args: argparse.Namespace) -> int:
+    from cedar.drivers.bench.hits import format_table, run_hits_benchmark
+    from cedar.backend.serve_demo import ensure_model
+
+    ensure_model(Path(args.model))
+    grid = dict(prefixes=(256, 1024), new_tokens=(16,), concurrency=(1, 8), repeats=2) if args.quick else {}
+    report = run_hits_benchmark(Path(args.model), Path(args.json), args.plot, **grid)
+    print(format_table(report["table"]))
+    print(f"[bench hits] {report['num_mismatches']} cached/replayed mismatches; {report['wall_s']} s; "
+          f"wrote {args.json}" + (f" and {args.plot}" if args.plot else ""))
+    return 0
+
+
+def _cmd_bench_prefill(args: argparse.Namespace) -> int:
+    from cedar.drivers.bench.prefill import run_prefill_benchmark
+    from cedar.backend.serve_demo import ensure_model
+
+    ensure_model(Path(args.model))
+    grid = dict(prompt_lens=(512, 2048), repeats=2) if args.quick else {}
+    report = run_prefill_benchmark(Path(args.model), Path(args.json), args.plot, **grid)
+    print(f"[bench prefill] {report['wall_s']} s; wrote {args.json}" + (f" and {args.plot}" if args.plot else ""))
+    return 0
+
+
+def _cmd_bench_engine(args: argparse.Namespace) -> int:
+    from cedar.drivers.bench.engine import QUICK, EngineGrid, format_table, run_engine_benchmark
+    from cedar.backend.serve_demo import ensure_model
+
+    ensure_model(Path(args.model))
+    report = run_engine_benchmark(Path(args.model), Path(args.json), args.plot, QUICK if args.quick else EngineGrid())
+    print(format_table(report["table"]))
+    print(f"[bench engine] {report['wall_s']} s; wrote {args.json}" + (f" and {args.plot}" if args.plot else ""))
+    return 0
+
+
+def _cmd_soak(args: argparse.Namespace) -> int:
+    from cedar.backend.serve_demo import ensure_model
+    from cedar.drivers.soak.load import LoadConfig
+    from cedar.drivers.soak.run import SoakConfig, run_soak
+
+    ensure_model(Path(args.model))
+    cfg = SoakConfig(minutes=args.minutes, phase_s=args.phase_s, seed=args.seed,
+                     load=LoadConfig(sessions=args.sessions, hang_s=args.hang_s))
+    report = run_soak(cfg, Path(args.model), Path(args.json), args.server, args.api_key)
+    c = report["counts"]
+    print(f"[soak] {report['wall_s']} s: sent {c['sent']}, finished {c['finished']}, aborted {c['aborted']}, "
+          f"cut {c['disconnected']}, rejected {c['rejected']}, hung {c['hung']}, lost {c['lost']}; "
+          f"{len(c['bad_input_failures'])} bad inputs without a 4xx; sentinels {report['sentinels_checked']} checked, "
+          f"{len(report['sentinel_mismatches'])} wrong; RSS growth {report['rss_growth_after_warmup_pct']}%")
+    print(f"[soak] goals: {report['goals_met']}; wrote {args.json}")
+    return 0 if report["passed"] else 1
+
+
+def _add_soak(sub) -> None:
+    s = sub.add_parser("soak", help="agent load with disconnects, aborts and bad input; integrity, RSS and "
+                       "reference-checked sentinels after every phase")
+    s.add_argument("--minutes", type=float, default=30.0)
+    s.add_argument("--json", required=True, help="write the report here")
+    s.add_argument("--server", default=None, help="soak this server (URL) instead of starting one")
+    s.add_argument("--api-key", default=None, help="the server's --api-key (a started server gets it too)")
+    s.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="the served model (sentinels' reference)")
+    s.add_argument("--sessions", type=int, default=16, help="concurrent multi-turn sessions")
+    s.add_argument("--phase-s", type=float, default=120.0, help="seconds of load between two checks")
+    s.add_argument("--hang-s", type=float, default=180.0, help="a request with no answer within this is hung")
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(fn=_cmd_soak)
+
+
+def _cmd_bench_trace(args: argparse.Namespace) -> int:
+    from cedar.drivers.bench.trace_replay import run_trace_benchmark
+    from cedar.backend.serve_demo import ensure_model
+
+    ensure_model(Path(args.model))
+    r = run_trace_benchmark(Path(args.model), Path(args.trace), Path(args.json), args.limit, args.concurrency,
+                            args.server, args.tokens_per_block)
+    print(f"[bench trace] {r['requests']} requests at concurrency {r['concurrency']}: hit rate measured "
+          f"{r['measured_hit_rate']:.4f}, theoretical {r['theoretical_hit_rate']:.4f} ({r['requests_off_theory']} "
+          f"requests off); TTFT p50 {r['ttft_ms_p50']} ms; wrote {args.json}")
+    return 0
+
+
+def _add_bench(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks against the real SGLang server")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    for name, fn, help_, quick in (
+            ("hits", _cmd_bench_hits, "TTFT of cold requests vs prefix-cache hits (replay in-forward, per "
+             "request, restored snapshot)", "prefixes 256,1024; 16 new tokens; C 1,8; 2 repeats"),
+            ("prefill", _cmd_bench_prefill, "TTFT of cold prefills with decoder narrowing on vs off (+ analytic bound)",
+             "prompts 512, 2048; 2 repeats"),
+            ("engine", _cmd_bench_engine, "Cedar vs stock SGLang serving a random Llama of the same dims: decode "
+             "tok/s, cold TTFT, hits", "decode b1/b4 at 256, cold 256/1024, a 1024 hit; Cedar then stock once")):
+        s = kinds.add_parser(name, help=help_)
+        s.add_argument("--json", required=True, help="write the report here")
+        s.add_argument("--plot", default=None, help="also write a PNG bar chart here")
+        s.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
+        s.add_argument("--quick", action="store_true", help=quick)
+        s.set_defaults(fn=fn)
+    s = kinds.add_parser("trace", help="replay a Mooncake or Cedar-session trace closed-loop: measured vs "
+                         "theoretical prefix-hit rate, TTFT, output tok/s")
+    s.add_argument("--trace", required=True, help="JSONL trace (docs/bench/traces.md)")
+    s.add_argument("--json", required=True, help="write the report here")
+    s.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
+    s.add_argument("--server", default=None, help="replay against this server (URL) instead of starting one")
+    s.add_argument("--limit", type=int, default=None, help="the first N requests only")
+    s.add_argument("--concurrency", type=int, default=1)
+    s.add_argument("--tokens-per-block", type=int, default=4, help="token ids per trace block")
+    s.set_defaults(fn=_cmd_bench_trace)
+    agents_cli.register(kinds)  # `cedar bench agents`: the agent-load matrix
+
+
+def _heldout(seed: int, kinds: list[str] | None, limit: int | None):
+    from cedar.training.corpus.build import HELDOUT, make_tasks
+
+    counts = {k: min(n, limit or n) for k, n in HELDOUT.items() if not kinds or k in kinds}
+    return make_tasks(seed, "heldout", counts)
+
+
+@contextlib.contextmanager
+def _server(args):
+    """A running server (--server URL) or `cedar serve` on --model for the block; yields an
+    object with `.url` and `.post(path, payload)`."""
+    if args.server:
+        from cedar.backend.serving.process import ServerClient
+
+        yield ServerClient(args.server)
+        return
+    with serve(args.model) as srv:
+        yield srv
+
+
+def _model_info(url: str) -> dict:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/get_model_info", timeout=60) as r:
+        return json.loads(r.read())
+
+
+SPLITS = ("heldout", "in-template")
+
+
+def _split_tasks(seed: int, split: str, kinds: list[str] | None, limit: int | None):
+    """(tasks, note) for one split of `cedar evaluate`; tasks None where the corpus cannot draw
+    the split (the note says why)."""
+    from dataclasses import fields
+
+    from cedar.training.corpus.build import HELDOUT, make_tasks
+    from cedar.training.corpus.tasks import Task
+
+    counts = {k: min(n, limit or n) for k, n in HELDOUT.items() if not kinds or k in kinds}
+    if "api-loop" in (kinds or ()) and "function-calling" not in counts:
+        counts["function-calling"] = min(HELDOUT["function-calling"], limit or HELDOUT["function-calling"])
+    try:
+        tasks = make_tasks(seed, split, counts)
+    except (ValueError, KeyError) as e:
+        return None, f"make_tasks does not draw split {split!r} ({e}); only the other split is reported"
+    if "template" not in {f.name for f in fields(Task)}:
+        return tasks, ("tasks carry no template: every split is drawn from the training templates (the "
+                       "same generators, bug kinds, tool schemas and phrasings), so this split is in-template "
+                       "in all but name")
+    return tasks, None
+
+
+def _evaluate_split(srv, model: str, tasks, tok, kinds, loop_requests: int) -> dict:
+    from cedar.frontend.endpoint import CedarEndpoint
+
+    from .api_loop import run_loops
+    from cedar.drivers.evaluate import evaluate_tasks, template_of, unconstrained_calls
+
+    agent_kinds = [t for t in tasks if not kinds or t.kind in kinds]
+    out = evaluate_tasks(CedarEndpoint(srv.url), agent_kinds, tok)
+    out["templates"] = sorted({template_of(t) for t in agent_kinds})
+    fc = [t for t in tasks if t.agent == "function-calling"]
+    if fc and (not kinds or "function-calling" in kinds):
+        out["unconstrained_calls"] = unconstrained_calls(srv.url, model, fc)
+    if fc and (not kinds or "api-loop" in kinds):
+        out["api_loop"] = run_loops(srv.url, model, [t.inputs for t in fc], loop_requests)
+    return out
+
+
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    """Each split apart, through a real server: task success per kind and per template, function
+    calling per call, recall, unconstrained calls, OpenAI-API loops; a failed task is an error."""
+    from tokenizers import Tokenizer
+
+    drawn = {split: _split_tasks(args.seed, split, args.kinds, args.limit) for split in args.splits}
+    with _server(args) as srv:
+        info = _model_info(srv.url)
+        tok = Tokenizer.from_file(str(Path(info["tokenizer_path"]) / "tokenizer.json"))
+        report = {"model": info["model_path"], "seed": args.seed, "command": "cedar " + " ".join(sys.argv[1:]),
+                  "splits": {}}
+        for split, (tasks, note) in drawn.items():
+            print(f"[evaluate] split {split}: {len(tasks or [])} tasks" + (f" ({note})" if note else ""), flush=True)
+            report["splits"][split] = {"note": note, **(_evaluate_split(srv, info["model_path"], tasks, tok, args.kinds,
+                                                                        args.loop_requests) if tasks else {})}
+    print(evaluate_table(report))
+    write_json(args.json, report)
+    return 0
+
+
+def evaluate_table(report: dict) -> str:
+    """The figures of `cedar evaluate`, one block per split."""
+    lines = []
+    for split, r in report["splits"].items():
+        lines.append(f"== {split}" + (f"  (note: {r['note']})" if r.get("note") else ""))
+        for kind, k in r.get("per_kind", {}).items():
+            extra = f"  fixed line present {k['fixed_line_present']}/{k['tasks']}" if "fixed_line_present" in k else ""
+            extra += f"  distance {k['distance_tokens']}" if "distance_tokens" in k else ""
+            lines.append(f"{kind:<17} {k['ok']:>3}/{k['tasks']:<3} {k['success']:.1%}  errors {k['errors']}{extra}")
+        fc = r.get("function_calling")
+        if fc and fc["tasks"]:
+            lines.append(f"function calls: names {fc['names_ok']}/{fc['calls']}, "
+                         f"arguments {fc['calls_ok']}/{fc['calls']}, "
+                         f"exact {fc['calls_exact']}/{fc['calls']}, values {fc['values_ok']}/{fc['values']}; "
+                         f"tasks {fc['tasks_ok']}/{fc['tasks']} ({fc['task_errors']} in error)")
+        u = r.get("unconstrained_calls")
+        if u:
+            lines.append(f"unconstrained tool calls: {u['valid']}/{u['calls']} valid ({u['valid_share']:.1%}), "
+                         f"{u['right']}/{u['calls']} right ({u['right_share']:.1%})")
+        lp = r.get("api_loop")
+        if lp:
+            lines.append(f"OpenAI-API loops: {lp['ended']}/{lp['loops']} end on their own, "
+                         f"{lp['hit_limit']} hit the limit "
+                         f"of {lp['max_requests_per_turn']}, {lp['solved']} solved; calls right "
+                         f"{lp['calls_right']}/{lp['calls_expected']} ({lp['calls_made']} made)")
+        if r.get("errors"):
+            lines.append(f"errors: {len(r['errors'])} tasks (see the JSON)")
+    return "\n".join(lines)
+
+
+def _cmd_fidelity(args: argparse.Namespace) -> int:
+    from cedar.backend.config import CEDConfig
+    from cedar.backend.tokenizer import ROLE_MARKERS, special_token_ids
+
+    from cedar.training.corpus.build import run_scripted, token_sessions
+    from cedar.drivers.fidelity import fidelity_report, plot, table_markdown
+
+    tasks = _heldout(args.seed, None, None)
+    texts = [{"kind": t.kind, "text": x} for t in tasks if t.kind in ("react", "recall", "coding", "function-calling")
+             for x in run_scripted(t)[:1]]
+    with _server(args) as srv:
+        info = _model_info(srv.url)
+        tok_dir = Path(info["tokenizer_path"])
+        sessions = token_sessions(texts, tok_dir)
+        vocab = CEDConfig.load(tok_dir).vocab_size
+        react = [t for t in tasks if t.kind in ("react", "recall")][: args.tasks]
+        report = fidelity_report(srv, sessions, special_token_ids(tok_dir)[ROLE_MARKERS["assistant"]], vocab,
+                                 args.per_bucket, tasks=react, seed=args.seed)
+    report["command"] = "cedar " + " ".join(sys.argv[1:])
+    print(table_markdown(report))
+    write_json(args.json, report)
+    if args.plot:
+        plot(report, Path(args.plot))
+        print(f"wrote {args.plot}")
+    return 0
+
+
+
+
+def _add_server_choice(parser) -> None:
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--server", default=None, help="URL of a running `cedar serve` (default: start one)")
+    where.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="model folder for the server it starts")
+
+
+def register(sub) -> None:
+    """Add `bench`, `soak`, `evaluate` and `fidelity` to the `cedar` command's subparsers."""
+    _add_bench(sub)
+    _add_soak(sub)
+    ev = sub.add_parser("evaluate", help="the model on generated tasks through a real server (greedy): the "
+                                         "held-out and the in-template split apart")
+    _add_server_choice(ev)
+    ev.add_argument("--seed", type=int, default=0, help="corpus seed the held-out split is drawn from")
+    ev.add_argument("--kinds", nargs="*", default=None,
+                    help="task generators to run, and 'api-loop' for the OpenAI-API loops (default: all)")
+    ev.add_argument("--limit", type=int, default=None, help="at most this many tasks per generator and split")
+    ev.add_argument("--splits", nargs="+", choices=SPLITS, default=list(SPLITS),
+                    help="splits to run, each reported apart (default: both)")
+    ev.add_argument("--loop-requests", type=int, default=6,
+                    help="OpenAI-API loops: at most this many requests per user turn")
+    ev.add_argument("--json", default=None)
+    ev.set_defaults(fn=_cmd_evaluate)
+
+    fid = sub.add_parser("fidelity", help="bounded replay and narrowing vs exact on held-out sessions, served")
+    _add_server_choice(fid)
+    fid.add_argument("--json", required=True)
+    fid.add_argument("--plot", default=None)
+    fid.add_argument("--seed", type=int, default=0)
+    fid.add_argument("--per-bucket", type=int, default=12, help="cases per hit-length bucket")
+    fid.add_argument("--tasks", type=int, default=20, help="held-out ReAct/recall tasks run per mode (0: none)")
+    fid.set_defaults(fn=_cmd_fidelity)
+
