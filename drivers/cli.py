@@ -104,6 +104,25 @@ def _cmd_bench_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_bound(args: argparse.Namespace) -> int:
+    from cedar.backend.config import CEDConfig
+
+    from .bench.bound import bound_report, read_bandwidth
+    from .bench.common import machine_info
+
+    cfg = CEDConfig.load(Path(args.model))
+    bw = read_bandwidth(threads=args.threads)
+    points = [(1, 512), (8, 512), (1, 8192), (8, 8192)]
+    rows = bound_report(cfg, points, bw["gb_s"], args.weight_bytes)
+    report = {"machine": machine_info(), "model": args.model, "weight_bytes": args.weight_bytes,
+              "bandwidth": bw, "rows": rows}
+    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    for r in rows:
+        print(f"[bench bound] b{r['batch']} ctx{r['context']}: {r['total'] / 1e6:.2f} MB/step -> "
+              f"{r['bound_tok_s']} tok/s at {bw['gb_s']} GB/s")
+    return 0
+
+
 def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks against the real SGLang server")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
@@ -120,6 +139,13 @@ def _add_bench(sub) -> None:
         s.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
         s.add_argument("--quick", action="store_true", help=quick)
         s.set_defaults(fn=fn)
+    s = kinds.add_parser("bound", help="the memory-bandwidth bound of a decode step: bytes it must read "
+                         "over this machine's measured read bandwidth")
+    s.add_argument("--json", required=True, help="write the report here")
+    s.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
+    s.add_argument("--weight-bytes", type=int, default=4, help="4: float32 weights as served; 2: bf16")
+    s.add_argument("--threads", type=int, default=2, help="threads of the bandwidth probe (the server's)")
+    s.set_defaults(fn=_cmd_bench_bound)
     s = kinds.add_parser("trace", help="replay a Mooncake or Cedar-session trace closed-loop: measured vs "
                          "theoretical prefix-hit rate, TTFT, output tok/s")
     s.add_argument("--trace", required=True, help="JSONL trace (docs/bench/traces.md)")
