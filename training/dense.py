@@ -112,6 +112,8 @@ class DenseForward:
         entries: dict[int, Entries] = {}
         selections: dict[int, Tensor] = {}
         aux = h.new_zeros(())
+        index_scores: dict[int, tuple[Tensor, Tensor]] = {}  # index producer -> (scores, visible)
+        targets: dict[int, list[Tensor]] = {}  # index producer -> attention of each layer it serves
         for layer in m.layers:
             i = layer.layer_id
             if layer.compressor is not None:
@@ -136,12 +138,16 @@ class DenseForward:
                     ramp = torch.arange(scores.shape[-1], dtype=scores.dtype) * 1e-9
                     top = (scores.detach() - ramp).topk(k, dim=-1)
                     selections[i] = (top.indices, torch.isfinite(top.values))
-                    aux = aux + self._indexer_loss(q, layer.scale, ent, scores, visible)
+                    index_scores[i] = (scores, visible)
+                targets.setdefault(cfg.topk_source_of(i), []).append(
+                    self._attention_target(q, layer.scale, ent, visible))
                 glob = (ent, visible, selections[cfg.topk_source_of(i)])
             mask = dec_mask if i > E else enc_mask
             o = self._attention(q, kv, mask, layer.sink, layer.scale, glob, plan.dense_global)
             h = h + layer.attn_output(o.reshape(B * n, layer.num_heads, layer.latent), flat_pos).view(B, n, -1)
             h = h + layer.mlp(layer.mlp_norm(h))
+        for i, (scores, visible) in index_scores.items():
+            aux = aux + self._indexer_loss(torch.stack(targets[i]).mean(0), scores, visible)
         logits = m.lm_head(m.norm(h)).float()
         return PassOutput(logits, entries, aux, selections, start)
 
@@ -212,17 +218,24 @@ class DenseForward:
             o = o + (torch.einsum("bthc,bcd->bthd", pg, ent.rows) if dense else torch.einsum("bthk,btkd->bthd", pg, kg))
         return o
 
-    def _indexer_loss(self, q: Tensor, scale: float, ent: Entries, scores: Tensor, visible: Tensor) -> Tensor:
-        """KL(main attention's head-mean distribution over visible entries || softmax(indexer)),
-        on every aux_stride-th query row that sees at least two entries (the target is detached)."""
+    @torch.no_grad()
+    def _attention_target(self, q: Tensor, scale: float, ent: Entries, visible: Tensor) -> Tensor:
+        """One layer's main attention over the visible entries, head-mean, on every
+        aux_stride-th query row: (B, n', C) f32 (detached)."""
+        rows = slice(0, None, self.aux_stride)
+        vis = visible[:, rows]
+        lg = torch.einsum("bthd,bcd->bthc", q[:, rows].detach(), ent.rows.detach()) * scale
+        return torch.softmax(lg.masked_fill(~vis[:, :, None, :], NEG), -1).mean(2)
+
+    def _indexer_loss(self, target: Tensor, scores: Tensor, visible: Tensor) -> Tensor:
+        """KL(target || softmax(indexer)) on every aux_stride-th query row that sees at least two
+        entries. target: the mean main attention of every layer that uses this indexer's
+        selection (it picks their entries, so it learns where all of them look)."""
         rows = slice(0, None, self.aux_stride)
         vis = visible[:, rows]
         keep = vis.sum(-1) >= 2  # (B, n')
         if not bool(keep.any()):
             return scores.new_zeros(())
-        with torch.no_grad():
-            lg = torch.einsum("bthd,bcd->bthc", q[:, rows].detach(), ent.rows.detach()) * scale
-            target = torch.softmax(lg.masked_fill(~vis[:, :, None, :], NEG), -1).mean(2)  # (B, n', C)
         logp = F.log_softmax(scores[:, rows], -1)
         kl = (target * (torch.log(target.clamp_min(1e-12)) - logp.clamp_min(-1e4))).masked_fill(~vis, 0).sum(-1)
         return kl[keep].mean()
