@@ -1,10 +1,13 @@
-"""``cedar bench engine``: Cedar's served engine against stock SGLang serving an ordinary model of
-the same size, side by side in one run.
+"""``cedar bench engine``: Cedar's served engine against the engines a CPU user would pick instead,
+each serving an ordinary model of the same size, side by side in one run.
 
-The stock model is a random Llama with Cedar's dims (hidden size, layers, heads, FFN, vocab,
-MQA with one KV head of Cedar's latent width, the same tokenizer), served by SGLang's own
-``LlamaForCausalLM`` with the same CPU flags. Servers alternate (Cedar, stock, Cedar by default)
-so that drift in the machine's load shows up as the spread of the two Cedar runs.
+The twin is a random Llama with Cedar's dims (hidden size, layers, heads, FFN, vocab, MQA with one
+KV head of Cedar's latent width, the same tokenizer). Stock SGLang serves it with its own
+``LlamaForCausalLM`` and the same CPU flags; the peers installed by ``make peers`` (peers.py) serve
+it too: vLLM's CPU build (the HF dir) and llama.cpp's ``llama-server`` (a GGUF written from it).
+Servers alternate, one at a time (by default Cedar, stock, each installed peer, Cedar), so that
+drift in the machine's load shows up as the spread of the Cedar runs. A peer named in the order
+but not installed (or failing) is recorded as not run, with the reason; the run goes on.
 
 Probes (every prompt fresh unless it is a hit; greedy; ``ignore_eos``):
 - ``decode_b{B}_ctx{L}``: B concurrent requests with L-token prompts; output tokens/s of the batch
@@ -23,17 +26,26 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import Callable, Iterator
 
 import numpy as np
 
 from cedar.backend.tokenizer import TOKENIZER_FILES
-from .common import fresh_ids, machine_info, save_report, stream_body, stream_chunks, stream_generate
+from .common import (OUTPUT_LEN, Sample, fresh_ids, machine_info, save_report, stream_body, stream_chunks,
+                     stream_generate)
+from .peers import (PEER_NAMES, PEERS_ROOT, EngineClient, LlamaCppClient, LlamaCppServe, PeerProcess, PeerStatus,
+                    VllmClient, VllmServe, detect_peers, write_gguf)
 
 ENGINE_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--dtype", "float32",
                 "--page-size", "2", "--chunked-prefill-size", "2048", "--max-total-tokens", "98304",
                 "--max-running-requests", "16", "--mem-fraction-static", "0.5", "--stream-interval", "1",
                 "--sleep-on-idle")
+
+
+ENGINES = ("cedar", "stock", *PEER_NAMES)
+LABELS = {"cedar": "Cedar", "stock": "stock SGLang", "vllm": "vLLM CPU", "llamacpp": "llama.cpp"}
 
 
 @dataclass(frozen=True)
@@ -43,7 +55,20 @@ class EngineGrid:
     cold: tuple[int, ...] = (512, 2048, 8192)
     hits: tuple[tuple[int, int], ...] = ((4096, 16), (4096, 128))  # (prefix, new tokens)
     repeats: int = 3
-    order: tuple[str, ...] = ("cedar", "stock", "cedar")
+    order: tuple[str, ...] | None = None  # None: default_order() of the peers installed
+
+    def __post_init__(self) -> None:
+        unknown = [e for e in self.order or () if e not in ENGINES]
+        if unknown:
+            raise ValueError(f"EngineGrid.order names unknown engines {unknown}; known: {list(ENGINES)}")
+        if self.order is not None and "cedar" not in self.order:
+            raise ValueError("EngineGrid.order must run cedar at least once (every ratio is Cedar's)")
+
+    @property
+    def max_tokens_at_once(self) -> int:
+        """The most tokens the probes hold in a server's cache at one time (all of a batch)."""
+        return max([b * (L + self.decode_tokens) for b, L in self.decode] + [L + OUTPUT_LEN for L in self.cold]
+                   + [P + N + OUTPUT_LEN for P, N in self.hits])
 
 
 QUICK = EngineGrid(decode=((1, 256), (4, 256)), decode_tokens=24, cold=(256, 1024), hits=((1024, 16),),
@@ -98,17 +123,49 @@ class StockServe:
         return env
 
 
+# ------------------------------------------------------------------ which engines run
+def default_order(peers: dict[str, PeerStatus]) -> tuple[str, ...]:
+    """Cedar, stock SGLang, each installed peer, Cedar again (its two runs bracket the others)."""
+    return ("cedar", "stock", *[n for n in PEER_NAMES if peers[n].installed], "cedar")
+
+
+def peer_records(order: tuple[str, ...], peers: dict[str, PeerStatus]) -> dict[str, dict]:
+    """What the report says of every peer before any server starts: installed or not, version,
+    executable, and why it will not run (None: it will; the run sets ``ran`` and ``argv``)."""
+    out = {}
+    for name, st in peers.items():
+        why = st.why_not if not st.installed else (None if name in order else "not in grid.order")
+        out[name] = {"installed": st.installed, "version": st.version, "executable": st.executable,
+                     "ran": False, "why_not": why, "argv": None}
+    return out
+
+
+# ------------------------------------------------------------------ clients
+@dataclass(frozen=True)
+class SGLangClient:
+    """SGLang's streamed ``/generate`` (Cedar and stock), in the peers' client shape."""
+
+    host: str
+    port: int
+
+    def stream_chunks(self, ids: list[int], max_new_tokens: int, timeout: float = 900) -> Iterator[tuple[float, int]]:
+        for t, chunk in stream_chunks(self.host, self.port, stream_body(ids, max_new_tokens), timeout=timeout):
+            yield t, int(chunk["meta_info"]["completion_tokens"])
+
+    def stream_generate(self, ids: list[int], max_new_tokens: int = OUTPUT_LEN) -> Sample:
+        return stream_generate(self.host, self.port, stream_body(ids, max_new_tokens))
+
+
 # ------------------------------------------------------------------ probes
-def decode_rate(host: str, port: int, batch: int, context: int, tokens: int, vocab: int, seed: int) -> dict:
+def decode_rate(client: EngineClient, batch: int, context: int, tokens: int, vocab: int, seed: int) -> dict:
     """Output tokens/s of ``batch`` concurrent requests while all of them decode."""
     stamps = [[] for _ in range(batch)]  # per request: (arrival time, completion tokens so far)
     errors: list[BaseException] = []
 
     def run(i: int) -> None:
         try:
-            body = stream_body(fresh_ids(seed + i, context, vocab), tokens)
-            for t, chunk in stream_chunks(host, port, body, timeout=900):
-                stamps[i].append((t, int(chunk["meta_info"]["completion_tokens"])))
+            for t, n in client.stream_chunks(fresh_ids(seed + i, context, vocab), tokens, timeout=900):
+                stamps[i].append((t, n))
         except BaseException as e:  # noqa: BLE001 - re-raised below
             errors.append(e)
 
@@ -131,33 +188,33 @@ def decode_rate(host: str, port: int, batch: int, context: int, tokens: int, voc
     return {"tok_s": round(done / (end - start), 2), "window_s": round(end - start, 3), "tokens": done}
 
 
-def ttft_ms(host: str, port: int, ids: list[int]) -> tuple[float, int]:
-    sample = stream_generate(host, port, stream_body(ids))
+def ttft_ms(client: EngineClient, ids: list[int]) -> tuple[float, int]:
+    sample = client.stream_generate(ids)
     return sample.ttft_ms, sample.cached_tokens
 
 
-def run_probes(srv, grid: EngineGrid, vocab: int, seed0: int) -> dict:
-    host, port, out = srv.cfg.host, srv.cfg.port, {}
-    ttft_ms(host, port, fresh_ids(seed0, 64, vocab))  # warm-up
+def run_probes(client: EngineClient, grid: EngineGrid, vocab: int, seed0: int) -> dict:
+    out = {}
+    ttft_ms(client, fresh_ids(seed0, 64, vocab))  # warm-up
     for batch, context in grid.decode:
-        runs = [decode_rate(host, port, batch, context, grid.decode_tokens, vocab, seed0 + 1000 * r + 100 * batch
+        runs = [decode_rate(client, batch, context, grid.decode_tokens, vocab, seed0 + 1000 * r + 100 * batch
                             + context) for r in range(max(1, grid.repeats - 1))]
         out[f"decode_b{batch}_ctx{context}"] = {"tok_s": float(np.median([r["tok_s"] for r in runs])), "runs": runs}
         print(f"[bench engine]   decode b{batch} ctx{context}: {out[f'decode_b{batch}_ctx{context}']['tok_s']} tok/s",
               flush=True)
     for L in grid.cold:
-        times = [ttft_ms(host, port, fresh_ids(seed0 + 50_000 + 10 * L + r, L, vocab))[0] for r in range(grid.repeats)]
+        times = [ttft_ms(client, fresh_ids(seed0 + 50_000 + 10 * L + r, L, vocab))[0] for r in range(grid.repeats)]
         out[f"ttft_cold_{L}"] = {"ms": round(float(np.median(times)), 2), "runs_ms": [round(t, 2) for t in times]}
         print(f"[bench engine]   cold TTFT {L}: {out[f'ttft_cold_{L}']['ms']} ms", flush=True)
     for P, N in grid.hits:
         hit, cold, cached = [], [], []
         for r in range(grid.repeats):
             prefix = fresh_ids(seed0 + 70_000 + 10 * P + r, P, vocab)
-            ttft_ms(host, port, prefix + fresh_ids(seed0 + 80_000 + r, 32, vocab))  # P enters the cache
-            t, c = ttft_ms(host, port, prefix + fresh_ids(seed0 + 90_000 + N + r, N, vocab))
+            ttft_ms(client, prefix + fresh_ids(seed0 + 80_000 + r, 32, vocab))  # P enters the cache
+            t, c = ttft_ms(client, prefix + fresh_ids(seed0 + 90_000 + N + r, N, vocab))
             hit.append(t)
             cached.append(c)
-            cold.append(ttft_ms(host, port, fresh_ids(seed0 + 95_000 + N + r, P + N, vocab))[0])
+            cold.append(ttft_ms(client, fresh_ids(seed0 + 95_000 + N + r, P + N, vocab))[0])
         out[f"hit_{P}_new{N}"] = {"ms": round(float(np.median(hit)), 2), "cold_ms": round(float(np.median(cold)), 2),
                                   "of_cold": round(float(np.median(hit) / np.median(cold)), 3),
                                   "cached_tokens": cached, "runs_ms": [round(t, 2) for t in hit]}
@@ -171,33 +228,65 @@ def _value(probe: dict) -> float:
     return probe["tok_s"] if "tok_s" in probe else probe["ms"]
 
 
+def _advantage(cedar: float, other: float, higher_better: bool) -> float:
+    return round((cedar / other) if higher_better else (other / cedar), 3)
+
+
 def table(runs: list[dict]) -> list[dict]:
-    """One row per probe: Cedar's runs, stock's, and Cedar / stock (>1 = Cedar better)."""
-    cedar = [r["probes"] for r in runs if r["engine"] == "cedar"]
-    stock = [r["probes"] for r in runs if r["engine"] == "stock"]
+    """One row per probe: Cedar's runs, every other engine's median (keyed by its name), Cedar /
+    stock (``cedar_advantage``) and Cedar / the best other engine of the probe (``best_peer``,
+    ``cedar_vs_best``); >1 = Cedar better. ``engines``: those that ran, in ENGINES' order."""
+    by = {e: [r["probes"] for r in runs if r["engine"] == e] for e in ENGINES}
+    ran = [e for e in ENGINES if by[e]]
+    cedar, others = by["cedar"], [e for e in ran if e != "cedar"]
     rows = []
     for name in cedar[0]:
-        c, s = [_value(p[name]) for p in cedar], float(np.median([_value(p[name]) for p in stock]))
         higher_better = name.startswith("decode")
-        ratio = [round((v / s) if higher_better else (s / v), 3) for v in c]
-        row = {"probe": name, "unit": "tok/s" if higher_better else "ms", "cedar": c, "stock": s,
-               "cedar_advantage": ratio}
+        c = [_value(p[name]) for p in cedar]
+        row = {"probe": name, "unit": "tok/s" if higher_better else "ms", "engines": ran, "cedar": c}
+        for e in others:
+            row[e] = float(np.median([_value(p[name]) for p in by[e]]))
+        if "stock" in others:
+            row["cedar_advantage"] = [_advantage(v, row["stock"], higher_better) for v in c]
+        if others:
+            best = (max if higher_better else min)(others, key=lambda e: row[e])
+            row["best_peer"] = best
+            row["cedar_vs_best"] = [_advantage(v, row[best], higher_better) for v in c]
         if name.startswith("hit"):
             row["cedar_of_cold"] = [p[name]["of_cold"] for p in cedar]
-            row["stock_of_cold"] = float(np.median([p[name]["of_cold"] for p in stock]))
+            for e in others:
+                row[f"{e}_of_cold"] = float(np.median([p[name]["of_cold"] for p in by[e]]))
         rows.append(row)
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| probe | Cedar | stock SGLang, same-dims Llama | Cedar advantage |", "|---|---|---|---|"]
+    others = [e for e in rows[0]["engines"] if e != "cedar"]
+    head = ["probe", "Cedar", *[LABELS[e] + (", same-dims Llama" if e == "stock" else "") for e in others]]
+    if "cedar_advantage" in rows[0]:
+        head.append("Cedar advantage")
+    if others:
+        head.append("Cedar vs best other")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         c = " / ".join(f"{v:g}" for v in r["cedar"])
-        a = " / ".join(f"{v:.2f}x" for v in r["cedar_advantage"])
         extra = f" ({'/'.join(f'{v:.2f}' for v in r['cedar_of_cold'])} of cold vs {r['stock_of_cold']:.2f})" \
-            if "cedar_of_cold" in r else ""
-        lines.append(f"| {r['probe']} ({r['unit']}) | {c}{extra} | {r['stock']:g} | {a} |")
+            if "cedar_of_cold" in r and "stock_of_cold" in r else ""
+        cells = [f"{r['probe']} ({r['unit']})", f"{c}{extra}", *[f"{r[e]:g}" for e in others]]
+        if "cedar_advantage" in r:
+            cells.append(" / ".join(f"{v:.2f}x" for v in r["cedar_advantage"]))
+        if others:
+            cells.append(" / ".join(f"{v:.2f}x" for v in r["cedar_vs_best"]) + f" ({LABELS[r['best_peer']]})")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def speed_vs_cedar(row: dict) -> dict[str, float]:
+    """Each engine's speed on the probe relative to Cedar's median (>1: faster than Cedar)."""
+    higher_better = row["unit"] == "tok/s"
+    ref = float(np.median(row["cedar"]))
+    return {e: (1.0 if e == "cedar" else round((row[e] / ref) if higher_better else (ref / row[e]), 3))
+            for e in row["engines"]}
 
 
 def plot(rows: list[dict], png: Path) -> None:
@@ -205,22 +294,90 @@ def plot(rows: list[dict], png: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
-    fig, ax = plt.subplots(figsize=(8, 4))
-    x = np.arange(len(rows))
-    lo = [min(r["cedar_advantage"]) for r in rows]
-    hi = [max(r["cedar_advantage"]) for r in rows]
-    ax.bar(x, hi, color=["tab:green" if v >= 1 else "tab:red" for v in lo], alpha=0.8)
-    ax.bar(x, lo, color="none", edgecolor="black")
+    engines = rows[0]["engines"]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    x, width = np.arange(len(rows)), 0.8 / len(engines)
+    colors = {"cedar": "tab:green", "stock": "tab:gray", "vllm": "tab:blue", "llamacpp": "tab:orange"}
+    for j, e in enumerate(engines):
+        speeds = [speed_vs_cedar(r)[e] for r in rows]
+        ax.bar(x + (j - (len(engines) - 1) / 2) * width, speeds, width, label=LABELS[e], color=colors[e])
+    ref = [float(np.median(r["cedar"])) for r in rows]  # Cedar's spread over its runs (machine drift)
+    lo = [min(v / m if r["unit"] == "tok/s" else m / v for v in r["cedar"]) for r, m in zip(rows, ref)]
+    hi = [max(v / m if r["unit"] == "tok/s" else m / v for v in r["cedar"]) for r, m in zip(rows, ref)]
+    cx = x + (engines.index("cedar") - (len(engines) - 1) / 2) * width
+    ax.errorbar(cx, [1.0] * len(rows), yerr=[np.subtract(1.0, lo), np.subtract(hi, 1.0)], fmt="none", ecolor="black")
     ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(matplotlib.ticker.FixedLocator([2.0 ** k for k in range(-6, 7)]))
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xticks(x, [r["probe"] for r in rows], rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("Cedar advantage over stock (x; >1 better)")
-    ax.set_title("Cedar vs stock SGLang, same-dims Llama, same CPU flags")
+    ax.set_ylabel("speed relative to Cedar (>1: faster)")
+    ax.set_title("Cedar vs the CPU engines a user would pick instead (same-dims Llama)")
+    ax.legend(fontsize=8, ncol=len(engines), loc="upper center", bbox_to_anchor=(0.5, -0.32), frameon=False)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
 
 
-def run_engine_benchmark(model_dir: Path, out_json, plot_png=None, grid: EngineGrid = EngineGrid()) -> dict:
+# ------------------------------------------------------------------ the run
+def stock_kernels_note() -> str:
+    """How stock SGLang's layers run here: with sgl_kernel's CPU kernels or without (the stand-in)."""
+    from importlib import metadata
+
+    try:
+        metadata.distribution("cedar-sgl-kernel-cpu-standin")
+    except metadata.PackageNotFoundError:
+        try:
+            return f"Stock SGLang runs with sgl_kernel {metadata.version('sgl-kernel')}."
+        except metadata.PackageNotFoundError:
+            return "Stock SGLang runs without an sgl_kernel package."
+    return ("Stock SGLang runs without sgl_kernel's CPU kernels: sgl_kernel is Cedar's CPU stand-in here, so "
+            "every layer of its Llama takes the pure-torch forward_native path (attention: torch_native). "
+            "The peers (vLLM CPU, llama.cpp) run their own native CPU kernels.")
+
+
+def peer_serve(engine: str, twin: Path, gguf: Path, port: int, grid: EngineGrid, peers: dict[str, PeerStatus]):
+    """(server config, client) of one peer's run on the twin (its HF dir; llama.cpp: its GGUF)."""
+    if engine == "vllm":
+        serve = VllmServe(model=str(twin), port=port, python=peers["vllm"].executable)
+        return serve, VllmClient(serve.host, port, serve.model)
+    # NOTE: one unified KV cache for all slots: it must hold a whole batch of the grid at once
+    ctx = max(16384, -(-grid.max_tokens_at_once // 1024) * 1024)
+    serve = LlamaCppServe(model=str(gguf), port=port, binary=peers["llamacpp"].executable, ctx_size=ctx)
+    return serve, LlamaCppClient(serve.host, port)
+
+
+def _peer_run(engine: str, record: dict, twin_dir: Path, port: int, grid: EngineGrid, peers: dict[str, PeerStatus],
+              vocab: int, seed0: int, log: Path) -> dict:
+    """One peer's run: its model (the GGUF written once, beside the twin's HF dir), its server
+    (argv into ``record``) and the probes through its client."""
+    gguf = twin_dir.parent / "twin-f32.gguf"
+    if engine == "llamacpp" and not gguf.exists():
+        write_gguf(twin_dir, gguf, Path(peers["llamacpp"].executable).parents[1])
+    serve, client = peer_serve(engine, twin_dir, gguf, port, grid, peers)
+    record["argv"] = serve.argv()
+    with PeerProcess(serve, log_path=log):
+        return {"engine": engine, "server_argv": serve.argv(), "probes": run_probes(client, grid, vocab, seed0)}
+
+
+def try_peer(engine: str, record: dict, attempt: Callable[[], dict], runs: list[dict], log: Path) -> None:
+    """Run one peer's ``attempt`` (start its server, run the probes): its run goes into ``runs`` and
+    ``record["ran"]`` becomes True; an Exception is recorded as ``record["why_not"]`` instead, and
+    the benchmark goes on (KeyboardInterrupt and the like still stop it)."""
+    try:
+        run = attempt()
+    except Exception as e:  # noqa: BLE001 - recorded in the report
+        record["why_not"] = f"failed: {type(e).__name__}: {str(e)[:600]} (log: {log})"
+        print(f"[bench engine]   {engine} failed: {record['why_not']}", flush=True)
+        return
+    runs.append(run)
+    record["ran"] = True
+
+
+def run_engine_benchmark(model_dir: Path, out_json, plot_png=None, grid: EngineGrid = EngineGrid(),
+                         peers_root: Path = PEERS_ROOT) -> dict:
     import sglang
 
     from cedar.backend.config import CEDConfig
@@ -228,34 +385,55 @@ def run_engine_benchmark(model_dir: Path, out_json, plot_png=None, grid: EngineG
     from cedar.backend.serving.process import ServerProcess, free_port
 
     cfg = CEDConfig.load(model_dir)
+    peers = detect_peers(peers_root)
+    order = grid.order if grid.order is not None else default_order(peers)
     tmp = Path(tempfile.mkdtemp(prefix="cedar-llama-twin-"))
+    twin_dir = tmp / "hf"
     t0 = time.perf_counter()
     try:
-        twin = write_llama_twin(model_dir, tmp)
+        twin_dir.mkdir()
+        twin = write_llama_twin(model_dir, twin_dir)
         report = {"machine": machine_info(), "sglang_version": sglang.__version__,
                   "cedar_model": {"dir": str(model_dir), "name": cfg.name, "hidden_size": cfg.hidden_size,
                                   "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads,
                                   "latent": cfg.kv_latent_dim, "intermediate_size": cfg.intermediate_size,
                                   "vocab_size": cfg.vocab_size},
-                  "stock_model": twin, "grid": {k: getattr(grid, k) for k in grid.__dataclass_fields__},
-                  "runs": [], "notes": [
-                      "Same SGLang server flags for both engines (server_argv per run); servers alternate in "
+                  "stock_model": twin, "grid": {**{k: getattr(grid, k) for k in grid.__dataclass_fields__},
+                                                "order": order},
+                  "peers": peer_records(order, peers), "runs": [], "notes": [
+                      "Same SGLang server flags for Cedar and stock (server_argv per run); servers alternate in "
                       "grid.order, one at a time; the client runs on the same 2 cores.",
+                      stock_kernels_note(),
+                      "Peers (make peers): vLLM's CPU build serves the twin's HF dir (float32, prefix caching); "
+                      "llama.cpp's llama-server serves an F32 GGUF written from it (8 slots, one unified KV "
+                      "cache sized to the grid's largest batch); both get the same token ids. peers.<name> "
+                      "says whether each ran, why not, its version and argv.",
                       "decode tok/s: output tokens of the batch per second over the interval in which every "
-                      "request of the batch is decoding (stream timestamps, --stream-interval 1).",
-                      "TTFT: a streamed /generate to its first data line. Cedar advantage: stock / Cedar for "
-                      "times, Cedar / stock for rates."]}
-        for k, engine in enumerate(grid.order):
-            port = free_port()
-            serve = (ServeConfig(model=str(model_dir), port=port, extra=ENGINE_FLAGS) if engine == "cedar"
-                     else StockServe(model=str(tmp), port=port, extra=ENGINE_FLAGS))
-            print(f"[bench engine] run {k + 1}/{len(grid.order)}: {engine}", flush=True)
-            with ServerProcess(serve, log_path=Path(f"/tmp/cedar-bench-engine-{engine}-{port}.log")) as srv:
-                probes = run_probes(srv, grid, cfg.vocab_size, seed0=10_000_000 * (k + 1))
-                run = {"engine": engine, "server_argv": serve.argv()[1:], "probes": probes}
-                if engine == "cedar":  # the model's own share of each step (the rest is SGLang's)
-                    run["model_forward_ms"] = srv.cedar_state()["forward_ms"]
-            report["runs"].append(run)
+                      "request of the batch is decoding (per-chunk stream timestamps, one token a chunk).",
+                      "TTFT: a streamed request to its first token. Cedar advantage: other / Cedar for times, "
+                      "Cedar / other for rates; cedar_vs_best: against the best other engine of the probe."]}
+        for k, engine in enumerate(order):
+            record = report["peers"].get(engine)
+            if record is not None and record["why_not"] is not None:
+                print(f"[bench engine] run {k + 1}/{len(order)}: {engine} skipped ({record['why_not']})", flush=True)
+                continue
+            port, seed0 = free_port(), 10_000_000 * (k + 1)
+            log = Path(f"/tmp/cedar-bench-engine-{engine}-{port}.log")
+            print(f"[bench engine] run {k + 1}/{len(order)}: {engine}", flush=True)
+            if engine in ("cedar", "stock"):
+                serve = (ServeConfig(model=str(model_dir), port=port, extra=ENGINE_FLAGS) if engine == "cedar"
+                         else StockServe(model=str(twin_dir), port=port, extra=ENGINE_FLAGS))
+                with ServerProcess(serve, log_path=log) as srv:
+                    run = {"engine": engine, "server_argv": serve.argv()[1:],
+                           "probes": run_probes(SGLangClient(serve.host, serve.port), grid, cfg.vocab_size, seed0)}
+                    if engine == "cedar":  # the model's own share of each step (the rest is SGLang's)
+                        run["model_forward_ms"] = srv.cedar_state()["forward_ms"]
+                report["runs"].append(run)
+                continue
+
+            attempt = partial(_peer_run, engine, report["peers"][engine], twin_dir, port, grid, peers,
+                              cfg.vocab_size, seed0, log)
+            try_peer(engine, report["peers"][engine], attempt, report["runs"], log)
         report["table"] = table(report["runs"])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
