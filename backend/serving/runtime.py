@@ -27,12 +27,18 @@ pool, ask :func:`runtime_for` which live runtime was allocated against that pool
 level lookup SGLang itself uses for its pools, ``forward_context.get_req_to_token_pool``). No
 attribute is hung on an SGLang object.
 
-Why Cedar rides its own folded replay and not upstream's ``replay_len``: SGLang 0.5.23's
-``PrefillAdder._replay_len`` (the V4 path) only *charges* the prefill budget for the rows a
-hit replays; the replay itself is left to the model. Cedar uses that hook for exactly that
-(:meth:`admission_replay_rows`: W rows, or none when a snapshot continues the request) and folds
-the rows into the batch's one forward (:mod:`planner`), which upstream's model code does not do
-for a non-V4 architecture.
+Why Cedar rides its own folded replay and not upstream's: SGLang 0.5.23 has a folded encoder
+replay for DeepSeek-V4.1 (``model_executor/encoder_swa_replay.py``), behind the
+``enable_encoder_swa_bounded_replay`` feature that the V4 argument hook turns on. The TP worker
+prepends each hit's last min(H, 128) cached tokens to its extend (``fold_encoder_swa_replay``),
+resetting windows through the V4 KV pool's ``request_window`` and handing V4's attention backend
+the row floors (``encoder_swa_row_floor``); ``PrefillAdder._replay_len`` charges those rows.
+Every piece of it is tied to V4's own pool and attention backend, which Cedar does not use (its
+pools are its own: FP4 global rows per token slot, a private window per request slot), and it
+always replays, where Cedar restores a snapshot and replays nothing when a finished request is
+continued exactly. Cedar hooks only the budget side, ``_replay_len``, so SGLang's admission
+charges Cedar's rows (:meth:`admission_replay_rows`: W rows, or none when a snapshot continues
+the request), and folds those rows into the batch's one forward itself (:mod:`planner`).
 """
 
 from __future__ import annotations
