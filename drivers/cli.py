@@ -214,7 +214,7 @@ def _split_tasks(seed: int, split: str, kinds: list[str] | None, limit: int | No
 def _evaluate_split(srv, model: str, tasks, tok, kinds, loop_requests: int) -> dict:
     from cedar.frontend.endpoint import CedarEndpoint
 
-    from .api_loop import run_loops
+    from cedar.agents.api_loop import run_loops
     from cedar.drivers.evaluate import evaluate_tasks, template_of, unconstrained_calls
 
     agent_kinds = [t for t in tasks if not kinds or t.kind in kinds]

@@ -39,6 +39,8 @@ ALL_TARGETS = {**{("serving", k): v for k, v in sglang_hooks.TARGETS.items()},
                **{("tool_call", k): v for k, v in tool_call_hooks.TARGETS.items()},
                **{("seed", k): v for k, v in seed_hooks.TARGETS.items()},
                **{("frontend", k): v for k, v in executor_fix.TARGETS.items()}}
+# the hooks the server's processes install and report (the frontend fix is the client's)
+SERVER_TARGETS = {k: v for k, v in ALL_TARGETS.items() if k[0] != "frontend"}
 MODULE_KEYS = {"sglang_hooks": "serving", "tool_call_hooks": "tool_call", "seed_hooks": "seed"}
 ALL_PARAMS = {**{("serving", k): v for k, v in EXPECTED_PARAMS.items()},
               **{("tool_call", k): v for k, v in TOOL_CALL_PARAMS.items()},
@@ -282,7 +284,7 @@ def test_load_plugins_installs_every_hook():
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("HOOKS "))
     status = {(MODULE_KEYS[m], n): ok for m, n, ok in json.loads(line[len("HOOKS "):])}
-    assert status == {name: True for name in ALL_TARGETS}
+    assert status == {name: True for name in SERVER_TARGETS}
 
 
 def test_a_hook_that_does_not_install_stops_the_process():
@@ -312,17 +314,17 @@ def test_plugin_exits_when_install_raises(monkeypatch):
 def test_hook_status_reads_the_live_objects():
     """In this process no hook is applied: every target resolves and none counts as installed."""
     status = sglang_hooks.hook_status()
-    assert {(MODULE_KEYS[h.module], h.name) for h in status} == set(ALL_TARGETS)
+    assert {(MODULE_KEYS[h.module], h.name) for h in status} == set(SERVER_TARGETS)
     assert not any(h.installed for h in status)
     message = sglang_hooks.missing_hooks_message(status)
-    assert message.startswith(f"cedar: {len(ALL_TARGETS)} SGLang hook(s) did not install")
+    assert message.startswith(f"cedar: {len(SERVER_TARGETS)} SGLang hook(s) did not install")
     assert sglang_hooks.missing_hooks_message([dataclasses.replace(h, installed=True) for h in status]) is None
 
 
 def test_server_info_lists_every_hook(server):
     hooks = server.cedar_state()["hooks"]
     assert {(MODULE_KEYS[h["module"]], h["name"]): (h["target"], h["installed"]) for h in hooks} == {
-        name: (target, True) for name, target in ALL_TARGETS.items()}
+        name: (target, True) for name, target in SERVER_TARGETS.items()}
 
 
 def test_importing_the_frontend_changes_nothing_in_sglang_and_the_endpoint_fix_is_a_pinned_hook():
