@@ -44,7 +44,6 @@ the request), and folds those rows into the batch's one forward itself (:mod:`pl
 from __future__ import annotations
 
 import dataclasses
-import logging
 import weakref
 from dataclasses import dataclass
 
@@ -62,8 +61,6 @@ from .prepass import replay_prepass
 from .snapshots import SnapshotStore
 from .stats import ServingStats
 from .step import served_step
-
-logger = logging.getLogger(__name__)
 
 # runtime switches for /set_internal_state (0/1): benchmarks and tests flip modes in one server
 SWITCHES = {

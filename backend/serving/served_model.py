@@ -16,7 +16,6 @@ its per-token budget is Cedar's true bytes per token (the cell-size hook in
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from typing import Iterable
 
@@ -30,8 +29,6 @@ from ..model import CEDModel
 from .hf_config import CedarHFConfig, ced_config_of
 from .planner import ServingFlags
 from .runtime import CedarRuntime, StepInput
-
-logger = logging.getLogger(__name__)
 
 
 def flags_from_config(hf_config) -> ServingFlags:
