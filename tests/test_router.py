@@ -32,7 +32,10 @@ def _free_run(n: int) -> int:
 def replicas(tiny_model_dir, tmp_path_factory):
     base = ServeConfig(model=str(tiny_model_dir), extra=("--sleep-on-idle", "--max-total-tokens", "16384",
                                                          "--context-length", "4096"))
-    r = Replicas(base, 2, RouterConfig(port=_free_run(3)), log_dir=tmp_path_factory.mktemp("replicas")).start()
+    # NOTE: health checks five minutes apart: a stopped replica is still "healthy" to the router
+    # throughout the test, so only the retries and the circuit breaker can route around it
+    router = RouterConfig(port=_free_run(3), health_interval_s=300)
+    r = Replicas(base, 2, router, log_dir=tmp_path_factory.mktemp("replicas")).start()
     yield r
     r.stop()
 
@@ -61,7 +64,15 @@ def replicas_requests(replicas) -> list[int]:
 
 def test_a_stopped_replica_leaves_the_router_serving(replicas):
     client = _router(replicas)
-    replicas.servers[0].stop()
+    session = prompt(300, 1200)
+    before = replicas_requests(replicas)
+    ids, _, _ = generate(client, session, n=3)
+    home = next(i for i, (a, b) in enumerate(zip(before, replicas_requests(replicas))) if b > a)
+    replicas.servers[home].stop()
+    # the session's next turn matches only the stopped replica's
+    # tree, so the cache-aware router picks it; the circuit breaker must move the retry elsewhere
+    ids, _, _ = generate(client, session + ids + prompt(40, 1201), n=3)
+    assert len(ids) == 3
     for i in range(6):  # new sessions: the router must not send them to the stopped replica
         ids, _, _ = generate(client, prompt(120, 1100 + i), n=3)
         assert len(ids) == 3

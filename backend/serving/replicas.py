@@ -38,6 +38,13 @@ class RouterConfig:
     api_key: str | None = None
     # NOTE: a stopped replica answers no health check within a second: route around it fast
     health_interval_s: int = 2
+    # NOTE: between a replica's death and the health check that notices it, the cache-aware
+    # policy may keep choosing it (its tree holds the prefix, or its queue looks shortest) and
+    # the retries, 50-125 ms apart, go there too (CI saw a request fail that way). The circuit
+    # breaker takes a worker out of selection after this many failed calls in a row (two, so one
+    # stray error does not bench a live replica), so a later retry lands on a live one
+    breaker_failures: int = 2
+    retries: int = 4
     prometheus_port: int | None = None  # the router's metrics exporter (default: a free port)
 
     def argv(self, worker_urls: list[str]) -> list[str]:
@@ -46,7 +53,8 @@ class RouterConfig:
         args = [sys.executable, "-m", "sglang_router.launch_router", "--host", self.host, "--port", str(self.port),
                 "--worker-urls", *worker_urls, "--policy", self.policy,
                 "--health-check-interval-secs", str(self.health_interval_s), "--health-failure-threshold", "1",
-                "--retry-max-retries", "3", "--prometheus-host", "127.0.0.1",
+                "--retry-max-retries", str(self.retries),
+                "--cb-failure-threshold", str(self.breaker_failures), "--prometheus-host", "127.0.0.1",
                 "--prometheus-port", str(self.prometheus_port or free_port())]
         return args + (["--api-key", self.api_key] if self.api_key else [])
 
