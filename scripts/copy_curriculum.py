@@ -6,7 +6,8 @@
 
 Trains on synthetic copying rows only (`trainer.copy_row`: random strings of 8-48 ids from the
 non-special vocabulary said 2-4 times; the first statement input only, the repeats trained),
-through the trainer's `DenseForward` with bf16 matmuls, and every 25 steps scores greedy top-1
+through the trainer's `DenseForward` (matmuls in bf16 where the CPU has bf16 instructions, else
+float32: `--precision`), and every 25 steps scores greedy top-1
 accuracy on the repeats of 4 fixed held-out rows (seed 12345). Writes DIR/curve.jsonl as it goes
 and DIR/state.pt (model + optimizer) every 100 steps; a second run with the same DIR resumes.
 
@@ -36,7 +37,7 @@ from cedar.backend.model_io import load_model, save_model
 from cedar.backend.tokenizer import TOKENIZER_FILES
 from cedar.training.dense import DenseForward, Plan
 from cedar.training.probes import ProbeSuite
-from cedar.training.trainer import TrainConfig, copy_row, loss_of, recall_row
+from cedar.training.trainer import TrainConfig, bf16_is_native, copy_row, loss_of, recall_row
 
 
 def rows(tc: TrainConfig, first: int, n: int, seq_len: int, make=copy_row):
@@ -69,6 +70,8 @@ def main() -> None:
     ap.add_argument("--dense-steps", type=int, default=0, help="first steps attend every global entry")
     ap.add_argument("--aux-weight", type=float, default=TrainConfig.aux_weight, help="indexer distillation weight")
     ap.add_argument("--aux-stride", type=int, default=8, help="indexer loss on every n-th query row")
+    ap.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                    help="auto: bf16 autocast only where the CPU multiplies bf16 natively (AVX512-BF16/AMX)")
     ap.add_argument("--export", type=Path, help="write the saved state as a model folder here; no training")
     a = ap.parse_args()
     make = recall_row if a.kind == "recall" else copy_row
@@ -76,7 +79,8 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     model = load_model(Path(a.init), quantize=False)
     model.train()
-    tc = TrainConfig(seed=0, bf16=True, steps=a.steps, batch=a.batch, seq_len=a.seq_len, aux_weight=a.aux_weight)
+    bf16 = a.precision == "bf16" or (a.precision == "auto" and bf16_is_native())
+    tc = TrainConfig(seed=0, bf16=bf16, steps=a.steps, batch=a.batch, seq_len=a.seq_len, aux_weight=a.aux_weight)
     fwd = DenseForward(model, aux_stride=a.aux_stride)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.01)
     start, state = 0, a.out / "state.pt"

@@ -270,3 +270,14 @@ def test_untrained_tokens_carry_no_loss(small_corpus):
         changed[0, 129:] = 9  # the untrained targets' values do not matter
         same, _ = loss_of(fwd, changed, doc, w2, Plan(), tc)
     assert not torch.isclose(full, half) and torch.isclose(half, same)
+
+
+def test_bf16_is_refused_where_the_cpu_only_emulates_it(monkeypatch, tmp_path, capsys):
+    import cedar.training.cli as train_cli
+    from cedar.cli import build_parser
+
+    args = build_parser("train").parse_args(["train", "--out", str(tmp_path / "run"), "--bf16", "--steps", "1"])
+    monkeypatch.setattr(train_cli, "bf16_is_native", lambda: False)
+    assert args.fn(args) == 2
+    assert "bfloat16 instructions" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # refused before anything was built

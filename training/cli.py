@@ -25,7 +25,7 @@ from cedar.backend.geometries import cedar_agent
 from cedar.backend.model_io import save_model
 from cedar.backend.tokenizer import TOKENIZER_FILES, build_tokenizer, generation_eos_token_ids, special_token_ids
 from cedar.training.probes import QUICK, ProbeConfig, ProbeSuite
-from cedar.training.trainer import TrainConfig, train
+from cedar.training.trainer import TrainConfig, bf16_is_native, train
 
 from cedar.training.corpus.build import build_corpus, load_sessions, run_scripted, save_corpus, tokenize_corpus
 
@@ -97,6 +97,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if not args.out:
         print("cedar train: --out DIR is required (or --probe-only MODEL_DIR)", file=sys.stderr)
         return 2
+    if args.bf16 and not bf16_is_native():
+        print("cedar train: --bf16 on a CPU without bfloat16 instructions (AVX512-BF16 or AMX) emulates them, "
+              f"about 15x slower than float32 ({torch.backends.cpu.get_cpu_capability()} here); leave it off",
+              file=sys.stderr)
+        return 2
     out = Path(args.out)
     if args.init:  # a warm start keeps the tokenizer its weights were trained with
         import shutil
@@ -157,7 +162,8 @@ def register(sub) -> None:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--bf16", action="store_true",
-                   help="matmuls in bfloat16 under CPU autocast (about 2x on AVX512-BF16/AMX)")
+                   help="matmuls in bfloat16 under CPU autocast (about 2x on AVX512-BF16/AMX; on a CPU "
+                        "without them it emulates, about 15x slower than float32: refused there)")
     p.add_argument("--init", help="warm start from this model folder (its weights and tokenizer)")
     p.add_argument("--copy-share", type=float, default=0.0,
                    help="chance that a step's last row is synthetic copying (repeated random strings)")

@@ -191,6 +191,13 @@ def token_losses(logits: torch.Tensor, ids: torch.Tensor, doc: torch.Tensor) -> 
     return ce.view_as(valid), valid
 
 
+def bf16_is_native() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX). Without it, CPU
+    autocast to bfloat16 emulates: measured on an AVX2-only EPYC (2 threads, the shipped geometry,
+    16 x 256 rows, forward + backward), 50 s a step against 3.1 s in float32."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
 def loss_of(forward: DenseForward, ids, doc, weight, plan: Plan, tc: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted next-token loss (and the plain mean over real tokens, for reporting). ``weight``:
     1 = assistant token, 0 = context (``tc.context_weight``), UNTRAINED = no loss at all."""
