@@ -220,6 +220,36 @@ def test_pool_indexer_and_sparse_attention_equal_twins_on_dequantized_rows():
 
 
 @needs_ext
+def test_pool_indexer_scores_a_requests_rows_together_exactly_as_each_alone():
+    """A prefill's rows of one request are scored 4 at a time over keys dequantized once per
+    request: the top-k equals, bit for bit, the kernel run on each row alone (and is a valid
+    top-k of the twin's scores). Rows split into blocks with short tails, requests interleave
+    within a chunk, and a row's visible entries grow with its position (some see none)."""
+    gen = torch.Generator().manual_seed(6)
+    c_lens, q_lens, ratio = [300, 5, 120], [37, 3, 10], 2
+    R = sum(c_lens) + 10
+    perm = torch.randperm(R, generator=gen)[:sum(c_lens)]
+    index_rows, index_scales = fp4_ref.fp4_quantize(torch.randn(R, DI, generator=gen), INDEX_ROW)
+    cu_c = torch.tensor([0, *torch.tensor(c_lens).cumsum(0).tolist()])
+    c_pos = torch.cat([(torch.arange(c) + 1) * ratio - 1 for c in c_lens])
+    q_pos = torch.cat([torch.arange(520, 557), torch.arange(0, 3), torch.arange(100, 110)])
+    row_req = torch.repeat_interleave(torch.arange(3), torch.tensor(q_lens))
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    T = int(cu_q[-1])
+    iq, iw = torch.randn(T, HI, DI, generator=gen), torch.randn(T, HI, generator=gen)
+    op = torch.ops.cedar_cpu.indexer_topk
+    for k in (1, 16, 64):
+        together = op(iq, iw, None, index_rows, index_scales, perm, cu_c, row_req, q_pos, c_pos, k)
+        alone = torch.cat([op(iq[t:t + 1], iw[t:t + 1], None, index_rows, index_scales, perm, cu_c,
+                              row_req[t:t + 1], q_pos[t:t + 1], c_pos, k) for t in range(T)])
+        assert torch.equal(together, alone), k
+        ik = fp4_ref.fp4_dequantize(index_rows[perm], index_scales[perm], INDEX_ROW)
+        scores = sparse_attention_ref.indexer_scores(iq, iw, ik, cu_q, cu_c.int(), q_pos, c_pos)
+        assert_valid_topk(together, scores, k)
+    assert (together[37:40] >= 0).sum(1).tolist() == [0, 1, 1]  # positions 0-2 see entries at 1, 3, ...
+
+
+@needs_ext
 def test_cpp_quantizers_are_bit_identical_to_the_twins():
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(300, D, generator=gen) * torch.logspace(-40, 38, 300)[:, None]

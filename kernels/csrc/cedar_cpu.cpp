@@ -110,6 +110,36 @@ inline void dots(const float* q, int64_t H, const float* k, int64_t D, float* ou
   for (int64_t h = 0; h < H; ++h) out[h] = dot(q + h * D, k, D);
 }
 
+// out[r * H + h] = dot(q[r] + h * D, k, D) for kRowBlock query rows: one read of the key row for
+// all of them; each sum in dots()'s order (so the same bits as dots() row by row).
+constexpr int64_t kRowBlock = 4;
+
+template <int H>
+inline void dots_rows_n(const float* const* q, const float* k, int64_t D, float* out) {
+  v8 acc[kRowBlock][H];
+  for (int r = 0; r < kRowBlock; ++r)
+    for (int h = 0; h < H; ++h) acc[r][h] = v8{0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int64_t i = 0; i < D; i += 8) {
+    const v8 kv = load8(k + i);
+    for (int r = 0; r < kRowBlock; ++r)
+      for (int h = 0; h < H; ++h) acc[r][h] += load8(q[r] + h * D + i) * kv;
+  }
+  for (int r = 0; r < kRowBlock; ++r)
+    for (int h = 0; h < H; ++h) out[r * H + h] = reduce8(acc[r][h]) + 0.f;
+}
+
+inline void dots_rows(const float* const* q, int64_t H, const float* k, int64_t D, float* out) {
+  if (D % 8 == 0) {
+    switch (H) {
+      case 1: return dots_rows_n<1>(q, k, D, out);
+      case 2: return dots_rows_n<2>(q, k, D, out);
+      case 4: return dots_rows_n<4>(q, k, D, out);
+      default: break;
+    }
+  }
+  for (int64_t r = 0; r < kRowBlock; ++r) dots(q[r], H, k, D, out + r * H);
+}
+
 // exp(x) for x <= 0 (a logit minus the row max) by Cody-Waite reduction and a degree-7 Taylor
 // polynomial: relative error ~2e-7. NOTE: std::exp is a scalar libm call and was most of the
 // window kernel's time; this one vectorizes (exp8: the same operations lane by lane, so a lane
@@ -356,26 +386,48 @@ at::Tensor indexer_topk(const at::Tensor& iq, const at::Tensor& iw, const c10::o
   const int64_t CB = codes.size(1), SB = scales.size(1), group = Di / SB;
   int32_t* ip = idx.data_ptr<int32_t>();
   at::parallel_for(0, T, kGrainRows, [&](int64_t t0, int64_t t1) {
-    std::vector<float> key(Di), d(Hi);
-    TopK top{k, {}};
-    for (int64_t t = t0; t < t1; ++t) {
+    // NOTE: a prefill's rows of one request read the same keys. Each chunk dequantizes a request's
+    // keys once, as far as its rows reach (a 4k hit + 16 replays 144 rows over 2k entries: the
+    // per-row dequantization was half of the indexer), and scores kRowBlock rows of a request
+    // per key read (the key row loaded once for all of them); every (row, head) dot is summed
+    // exactly as dots() sums it, so the scores and the top-k are the per-row ones, bit for bit
+    std::vector<float> keys, d(kRowBlock * Hi);
+    int64_t keys_req = -1, keys_n = 0;
+    std::vector<TopK> top(kRowBlock, TopK{k, {}});
+    for (int64_t t = t0; t < t1;) {
       const int64_t b = qr[t], n = cu[b + 1] - cu[b];
-      top.reset();
-      for (int64_t c = 0; c < n; ++c) {
-        if (vp[cu[b] + c] > pp[t]) break;  // NOTE: entries are in position order: none later is visible
-        const float* kc = key.data();
-        if (kp) {
-          kc = kp + (cu[b] + c) * Di;
-        } else {
-          const int64_t row = er[cu[b] + c];
-          dequant_fp4(cp + row * CB, sp + row * SB, Di, group, false, key.data());
-        }
-        dots(qp + t * Hi * Di, Hi, kc, Di, d.data());
-        float acc = 0.f;
-        for (int64_t h = 0; h < Hi; ++h) acc += std::max(d[h], 0.f) * wp[t * Hi + h];
-        top.offer(acc, int32_t(c));
+      int64_t R = 1;
+      while (R < kRowBlock && t + R < t1 && qr[t + R] == b) ++R;
+      int64_t vis[kRowBlock], reach = 0;  // entries visible to each row (a prefix: position order)
+      const float* q[kRowBlock];
+      for (int64_t r = 0; r < kRowBlock; ++r) {
+        vis[r] = 0;
+        q[r] = qp + (t + std::min(r, R - 1)) * Hi * Di;  // NOTE: a short block repeats its last row
+        if (r >= R) continue;
+        while (vis[r] < n && vp[cu[b] + vis[r]] <= pp[t + r]) ++vis[r];
+        reach = std::max(reach, vis[r]);
+        top[r].reset();
       }
-      top.write(ip + t * k);
+      if (!kp && b != keys_req) keys_req = b, keys_n = 0;
+      if (!kp && keys_n < reach) {
+        if (int64_t(keys.size()) < reach * Di) keys.resize(std::max<int64_t>(2 * keys.size(), reach * Di));
+        for (; keys_n < reach; ++keys_n) {
+          const int64_t row = er[cu[b] + keys_n];
+          dequant_fp4(cp + row * CB, sp + row * SB, Di, group, false, keys.data() + keys_n * Di);
+        }
+      }
+      for (int64_t c = 0; c < reach; ++c) {
+        const float* kc = kp ? kp + (cu[b] + c) * Di : keys.data() + c * Di;
+        dots_rows(q, Hi, kc, Di, d.data());
+        for (int64_t r = 0; r < R; ++r) {
+          if (c >= vis[r]) continue;
+          float acc = 0.f;
+          for (int64_t h = 0; h < Hi; ++h) acc += std::max(d[r * Hi + h], 0.f) * wp[(t + r) * Hi + h];
+          top[r].offer(acc, int32_t(c));
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) top[r].write(ip + (t + r) * k);
+      t += R;
     }
   });
   return idx;
