@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -89,6 +90,12 @@ def main() -> None:
         model.load_state_dict(s["model"])
         opt.load_state_dict(s["opt"])
         start = s["step"]
+        # NOTE: a run stopped between checkpoints logged steps it now redoes: keep the log's past only
+        for name, last in (("curve.jsonl", start - 1), ("probes.jsonl", start)):
+            log = a.out / name
+            if log.is_file():
+                recs = [line for line in log.read_text().splitlines() if line and json.loads(line)["step"] <= last]
+                log.write_text("".join(r + "\n" for r in recs))
     if a.export:
         import shutil
 
@@ -121,7 +128,9 @@ def main() -> None:
             if (step + 1) % 100 == 0 or step + 1 == a.steps:
                 with open(a.out / "probes.jsonl", "a") as pl:
                     pl.write(json.dumps({"step": step + 1, **probes.run(model)}) + "\n")
-                torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1}, state)
+                tmp = state.with_suffix(".tmp")  # NOTE: a run killed while saving keeps its last checkpoint
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1}, tmp)
+                os.replace(tmp, state)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Issue 21's training chain, stage by stage, resumable: every stage resumes from its own
+# checkpoint, and a finished stage leaves RUNS/<stage>.done, so running this again (after a stop, a
+# crash or in a later session) goes on where it stopped. Long: hours on 2 cores; run it in the
+# background with its log in a file, and stop it (kill) for a benchmark or a test run:
+#
+#     nohup scripts/train_chain.sh runs > runs/chain.log 2>&1 &
+#
+# RUNS (default runs/): the run folders (checkpoints, curves, probes, exported models); keep it out
+# of commits (only the final model is committed, into models/). THREADS (default 2): torch threads.
+#
+# 1. copy256: the short-context copy curriculum (a copy head inside the window);
+# 2. recall1k: strings repeated at every distance up to 1,024, the first 1,400 steps attending every
+#    global entry with the indexer distilled toward that attention;
+# 3. agent: the agent corpus with copy and recall rows mixed in (cedar train);
+# 4. eval: cedar evaluate on the held-out templates (RUNS/eval.json).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUNS=${1:-runs}
+T=${THREADS:-2}
+PY=.venv/bin/python
+mkdir -p "$RUNS"
+
+stage() {
+  local name=$1
+  shift
+  if [ -f "$RUNS/$name.done" ]; then
+    echo "[chain] $name: done"
+    return 0
+  fi
+  echo "[chain] $name: $* ($(date -u +%H:%M))"
+  nice -n 10 "$@"
+  touch "$RUNS/$name.done"
+}
+
+stage copy256 $PY scripts/copy_curriculum.py --init models/cedar-agent --out "$RUNS/copy256" --kind copy \
+  --seq-len 256 --batch 16 --steps 850 --lr 1e-3 --threads "$T"
+stage copy256-export $PY scripts/copy_curriculum.py --init models/cedar-agent --out "$RUNS/copy256" \
+  --export "$RUNS/copy256/model"
+stage recall1k $PY scripts/copy_curriculum.py --init "$RUNS/copy256/model" --out "$RUNS/recall1k" --kind recall \
+  --seq-len 1024 --batch 4 --steps 2400 --dense-steps 1400 --lr 1e-3 --threads "$T" --aux-weight 1.0 --aux-stride 1
+stage recall1k-export $PY scripts/copy_curriculum.py --init "$RUNS/copy256/model" --out "$RUNS/recall1k" \
+  --export "$RUNS/recall1k/model"
+stage agent $PY -m cedar.cli train --init "$RUNS/recall1k/model" --out "$RUNS/agent" --steps 1500 \
+  --copy-share 0.3 --recall-share 0.5 --context-weight 0.05 --threads "$T" --no-progress
+stage eval $PY -m cedar.cli evaluate --model "$RUNS/agent/model" --limit 4 --json "$RUNS/eval.json"
+echo "[chain] finished: the model is $RUNS/agent/model, its evaluation $RUNS/eval.json"
