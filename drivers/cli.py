@@ -123,6 +123,20 @@ def _cmd_bench_bound(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_step(args: argparse.Namespace) -> int:
+    from .bench.common import machine_info
+    from .bench.step import DEFAULT_CASES, QUICK_CASES, run_step_bench
+
+    report = run_step_bench(Path(args.model), QUICK_CASES if args.quick else DEFAULT_CASES, args.repeats, args.threads)
+    report["machine"] = machine_info()
+    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    for c in report["cases"]:
+        top = ", ".join(f"{o['op']} {o['self_ms']}" for o in c["top_ops"][:3])
+        print(f"[bench step] {c['case']}: {c['rows']} rows, {c['ms_median']} ms (best {c['ms_best']}), "
+              f"{c['aten_ops']} ATen ops; top: {top}")
+    return 0
+
+
 def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks against the real SGLang server")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
@@ -146,6 +160,14 @@ def _add_bench(sub) -> None:
     s.add_argument("--weight-bytes", type=int, default=4, help="4: float32 weights as served; 2: bf16")
     s.add_argument("--threads", type=int, default=2, help="threads of the bandwidth probe (the server's)")
     s.set_defaults(fn=_cmd_bench_bound)
+    s = kinds.add_parser("step", help="the served step in process (no HTTP or scheduler): decode and hit "
+                         "step times, ATen ops per step, the ops that take the time")
+    s.add_argument("--json", required=True, help="write the report here")
+    s.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
+    s.add_argument("--repeats", type=int, default=20)
+    s.add_argument("--threads", type=int, default=2)
+    s.add_argument("--quick", action="store_true", help="short contexts, 3 cases")
+    s.set_defaults(fn=_cmd_bench_step)
     s = kinds.add_parser("trace", help="replay a Mooncake or Cedar-session trace closed-loop: measured vs "
                          "theoretical prefix-hit rate, TTFT, output tok/s")
     s.add_argument("--trace", required=True, help="JSONL trace (docs/bench/traces.md)")
