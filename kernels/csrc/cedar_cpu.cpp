@@ -14,6 +14,9 @@
 
 #include <algorithm>
 #include <cmath>
+#ifdef __AVX__
+#include <immintrin.h>
+#endif
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -124,6 +127,29 @@ inline void dots_rows_n(const float* const* q, const float* k, int64_t D, float*
     for (int r = 0; r < kRowBlock; ++r)
       for (int h = 0; h < H; ++h) acc[r][h] += load8(q[r] + h * D + i) * kv;
   }
+#ifdef __AVX__
+  if constexpr (kRowBlock * H == 8) {  // NOTE: the 8 reductions at once: transpose, then reduce8's tree lane-wise
+    __m256 r[8];
+    for (int j = 0; j < 8; ++j) std::memcpy(&r[j], &acc[j / H][j % H], sizeof(__m256));
+    const __m256 a0 = _mm256_unpacklo_ps(r[0], r[1]), a1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 a2 = _mm256_unpacklo_ps(r[2], r[3]), a3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 a4 = _mm256_unpacklo_ps(r[4], r[5]), a5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 a6 = _mm256_unpacklo_ps(r[6], r[7]), a7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 b0 = _mm256_shuffle_ps(a0, a2, 0x44), b1 = _mm256_shuffle_ps(a0, a2, 0xEE);
+    const __m256 b2 = _mm256_shuffle_ps(a1, a3, 0x44), b3 = _mm256_shuffle_ps(a1, a3, 0xEE);
+    const __m256 b4 = _mm256_shuffle_ps(a4, a6, 0x44), b5 = _mm256_shuffle_ps(a4, a6, 0xEE);
+    const __m256 b6 = _mm256_shuffle_ps(a5, a7, 0x44), b7 = _mm256_shuffle_ps(a5, a7, 0xEE);
+    // c_i[j] = lane i of accumulator j
+    const __m256 c0 = _mm256_permute2f128_ps(b0, b4, 0x20), c1 = _mm256_permute2f128_ps(b1, b5, 0x20);
+    const __m256 c2 = _mm256_permute2f128_ps(b2, b6, 0x20), c3 = _mm256_permute2f128_ps(b3, b7, 0x20);
+    const __m256 c4 = _mm256_permute2f128_ps(b0, b4, 0x31), c5 = _mm256_permute2f128_ps(b1, b5, 0x31);
+    const __m256 c6 = _mm256_permute2f128_ps(b2, b6, 0x31), c7 = _mm256_permute2f128_ps(b3, b7, 0x31);
+    const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(c0, c1), _mm256_add_ps(c2, c3)),
+                                     _mm256_add_ps(_mm256_add_ps(c4, c5), _mm256_add_ps(c6, c7)));
+    _mm256_storeu_ps(out, _mm256_add_ps(sum, _mm256_setzero_ps()));
+    return;
+  }
+#endif
   for (int r = 0; r < kRowBlock; ++r)
     for (int h = 0; h < H; ++h) out[r * H + h] = reduce8(acc[r][h]) + 0.f;
 }
