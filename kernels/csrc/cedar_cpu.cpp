@@ -444,7 +444,11 @@ at::Tensor indexer_topk(const at::Tensor& iq, const at::Tensor& iw, const c10::o
       }
       for (int64_t c = 0; c < reach; ++c) {
         const float* kc = kp ? kp + (cu[b] + c) * Di : keys.data() + c * Di;
-        dots_rows(q, Hi, kc, Di, d.data());
+        if (R == 1) {  // NOTE: a decode step's row (one per request): no block to share the key read with
+          dots(q[0], Hi, kc, Di, d.data());
+        } else {
+          dots_rows(q, Hi, kc, Di, d.data());
+        }
         for (int64_t r = 0; r < R; ++r) {
           if (c >= vis[r]) continue;
           float acc = 0.f;
