@@ -281,3 +281,31 @@ def test_bf16_is_refused_where_the_cpu_only_emulates_it(monkeypatch, tmp_path, c
     assert args.fn(args) == 2
     assert "bfloat16 instructions" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()  # refused before anything was built
+
+
+def test_a_dense_step_reuses_its_attention_as_the_indexer_target(monkeypatch):
+    """In a dense step the indexer's target (the main attention over every visible entry) is read
+    from the attention's own logits instead of a second pass: the loss and its gradients are the
+    same as with the second pass."""
+    torch.manual_seed(0)
+    model = random_model(cedar_tiny(), seed=3)
+    ids = torch.randint(8, model.cfg.vocab_size, (2, 512))
+    doc = torch.zeros(2, 512, dtype=torch.long)
+    doc[1, 300:] = 1  # two documents in one row: entries across them are invisible
+
+    def loss_and_grads(fwd):
+        model.zero_grad()
+        logits, aux = fwd.run(ids, doc, Plan(dense_global=True))
+        (logits.logsumexp(-1).mean() + aux).backward()
+        return aux.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    fwd = DenseForward(model, aux_stride=2)
+    aux, grads = loss_and_grads(fwd)
+    assert aux > 0
+    attention = DenseForward._attention
+    monkeypatch.setattr(DenseForward, "_attention", lambda self, *a: (attention(self, *a)[0], None))
+    aux2, grads2 = loss_and_grads(DenseForward(model, aux_stride=2))
+    assert torch.allclose(aux, aux2, rtol=1e-5, atol=1e-7), (aux, aux2)
+    assert grads.keys() == grads2.keys()
+    for n in grads:
+        assert torch.allclose(grads[n], grads2[n], rtol=1e-4, atol=1e-6), n

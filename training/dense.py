@@ -139,11 +139,13 @@ class DenseForward:
                     top = (scores.detach() - ramp).topk(k, dim=-1)
                     selections[i] = (top.indices, torch.isfinite(top.values))
                     index_scores[i] = (scores, visible)
-                targets.setdefault(cfg.topk_source_of(i), []).append(
-                    self._attention_target(q, layer.scale, ent, visible))
                 glob = (ent, visible, selections[cfg.topk_source_of(i)])
             mask = dec_mask if i > E else enc_mask
-            o = self._attention(q, kv, mask, layer.sink, layer.scale, glob, plan.dense_global)
+            o, dense_logits = self._attention(q, kv, mask, layer.sink, layer.scale, glob, plan.dense_global)
+            if source is not None:  # NOTE: a dense step has the main attention's logits at hand: no second pass
+                targets.setdefault(cfg.topk_source_of(i), []).append(
+                    self._attention_target(q, layer.scale, ent, visible) if dense_logits is None
+                    else self._target_of(dense_logits))
             h = h + layer.attn_output(o.reshape(B * n, layer.num_heads, layer.latent), flat_pos).view(B, n, -1)
             h = h + layer.mlp(layer.mlp_norm(h))
         for i, (scores, visible) in index_scores.items():
@@ -188,8 +190,10 @@ class DenseForward:
         same = (dk[:, :, None, :] == dq[:, :, :, None]) & (dq[:, :, :, None] >= 0)
         return vis[None] & same
 
-    def _attention(self, q: Tensor, kv: Tensor, mask: Tensor, sink: Tensor, scale: float, glob, dense: bool) -> Tensor:
-        """q: (B, n, H, D), kv: (B, n, D), mask: (B, nb, W, 2W) -> o (B, n, H, D)."""
+    def _attention(self, q: Tensor, kv: Tensor, mask: Tensor, sink: Tensor, scale: float, glob,
+                   dense: bool) -> tuple[Tensor, Tensor | None]:
+        """q: (B, n, H, D), kv: (B, n, D), mask: (B, nb, W, 2W) -> o (B, n, H, D) and, when every
+        visible entry is attended (``dense``), their masked logits (B, n, H, C) (else None)."""
         B, n, H, D = q.shape
         W = self.W
         nb = n // W
@@ -216,7 +220,13 @@ class DenseForward:
         if glob is not None:
             pg = p[..., 2 * W: -1]
             o = o + (torch.einsum("bthc,bcd->bthd", pg, ent.rows) if dense else torch.einsum("bthk,btkd->bthd", pg, kg))
-        return o
+        return o, (lg if glob is not None and dense else None)
+
+    @torch.no_grad()
+    def _target_of(self, dense_logits: Tensor) -> Tensor:
+        """:meth:`_attention_target` from a dense step's own masked logits (B, n, H, C): the same
+        softmax over the visible entries, head-mean, on every aux_stride-th query row."""
+        return torch.softmax(dense_logits.detach()[:, ::self.aux_stride], -1).mean(2)
 
     @torch.no_grad()
     def _attention_target(self, q: Tensor, scale: float, ent: Entries, visible: Tensor) -> Tensor:
