@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -38,7 +37,7 @@ from cedar.backend.model_io import load_model, save_model
 from cedar.backend.tokenizer import TOKENIZER_FILES
 from cedar.training.dense import DenseForward, Plan
 from cedar.training.probes import ProbeSuite
-from cedar.training.trainer import TrainConfig, bf16_is_native, copy_row, loss_of, recall_row
+from cedar.training.trainer import TrainConfig, atomic_save, bf16_is_native, copy_row, loss_of, recall_row
 
 
 def rows(tc: TrainConfig, first: int, n: int, seq_len: int, make=copy_row):
@@ -128,9 +127,7 @@ def main() -> None:
             if (step + 1) % 100 == 0 or step + 1 == a.steps:
                 with open(a.out / "probes.jsonl", "a") as pl:
                     pl.write(json.dumps({"step": step + 1, **probes.run(model)}) + "\n")
-                tmp = state.with_suffix(".tmp")  # NOTE: a run killed while saving keeps its last checkpoint
-                torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1}, tmp)
-                os.replace(tmp, state)
+                atomic_save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1}, state)
 
 
 if __name__ == "__main__":

@@ -312,9 +312,14 @@ def train(cfg: CEDConfig, arrays: dict, heldout: dict | None, tc: TrainConfig, o
 
 
 def save_checkpoint(path: Path, model, opt, curve, step: int, tc: TrainConfig) -> None:
+    atomic_save({"model": model.state_dict(), "opt": opt.state_dict(), "curve": curve, "step": step,
+                 "config": asdict(tc)}, path)
+
+
+def atomic_save(obj, path: Path) -> None:
+    """torch.save through a temporary file: a run killed while saving keeps its last checkpoint."""
     tmp = path.with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "curve": curve, "step": step,
-                "config": asdict(tc)}, tmp)
+    torch.save(obj, tmp)
     os.replace(tmp, path)
 
 
