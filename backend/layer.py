@@ -6,13 +6,24 @@ sequence, explicit caches, SGLang's pools) is the caller's :class:`~cedar.backen
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from .compressor import Compressor
 from .config import CEDConfig, Role
-from .modules import RMSNorm, SwiGLU, apply_rope
+from .modules import RMSNorm, Rope, SwiGLU, apply_rope, inference_cpp
+
+
+@dataclass(frozen=True)
+class Projections:
+    """A layer's projections of its input rows (T of them)."""
+
+    q: Tensor  # (T, H, D) f32 queries, RoPE'd
+    kv: Tensor | None  # (T, D) f32 window K = V rows, normed and RoPE'd; None where the caller has them
+    iq: Tensor | None  # (T, Hi, Di) f32 indexer queries; None without an indexer
+    iw: Tensor | None  # (T, Hi) f32 indexer head weights
 
 
 class CEDLayer(nn.Module):
@@ -40,6 +51,33 @@ class CEDLayer(nn.Module):
             self.wq_index = nn.Linear(cfg.hidden_size, cfg.index_num_heads * cfg.index_head_dim, bias=False)
             self.w_index = nn.Linear(cfg.hidden_size, cfg.index_num_heads, bias=False)
 
+    def project(self, h: Tensor, rope: Rope, window: bool = True) -> Projections:
+        """h: (T, hidden) layer input -> its queries, window rows (``window``) and indexer
+        queries. NOTE: on the fast CPU backend's inference path, one C++ call running the same
+        ATen ops (bit-identical; a decode step spends its time in per-call overhead)."""
+        if inference_cpp(h, rope.fast):
+            idx = self.has_indexer
+            q, kv, iq, iw = torch.ops.cedar_cpu.layer_project(
+                h, self.attn_norm.weight, self.attn_norm.eps, self.wq.weight, self.num_heads, rope.cos, rope.sin,
+                rope.partner, self.wkv.weight if window else None, self.kv_norm.weight if window else None,
+                self.wq_index.weight if idx else None, self.w_index.weight if idx else None,
+                self.index_num_heads if idx else 0, self._index_div if idx else 1.0)
+            return Projections(q, kv if window else None, iq if idx else None, iw if idx else None)
+        hn = self.attn_norm(h)
+        iq, iw = self.index_queries(hn) if self.has_indexer else (None, None)
+        return Projections(self.queries(hn, rope), self.window_kv(hn, rope) if window else None, iq, iw)
+
+    def tail(self, h: Tensor, o: Tensor, rope: Rope) -> Tensor:
+        """h: (T, hidden) layer input, o: (T, H, D) merged attention output -> the layer's output
+        (T, hidden): h + the output projection, then + the MLP of its norm (one C++ call on the
+        fast CPU backend's inference path, bit-identical)."""
+        if inference_cpp(h, rope.fast):
+            return torch.ops.cedar_cpu.layer_tail(h, o, rope.cos, rope.sin_inverse, rope.partner, self.wo.weight,
+                                                  self.mlp_norm.weight, self.mlp_norm.eps, self.mlp.gate_proj.weight,
+                                                  self.mlp.up_proj.weight, self.mlp.down_proj.weight)
+        h = h + self.attn_output(o, rope)
+        return h + self.mlp(self.mlp_norm(h))
+
     def queries(self, hn: Tensor, pos: Tensor) -> Tensor:
         """hn: (T, hidden) normed input; pos: (T,) -> q (T, H, D) f32 with RoPE on the slice."""
         q = self.wq(hn).float().view(hn.shape[0], self.num_heads, self.latent)
@@ -52,8 +90,11 @@ class CEDLayer(nn.Module):
     def index_queries(self, hn: Tensor) -> tuple[Tensor, Tensor]:
         """(T, hidden) -> indexer queries (T, Hi, Di) f32 and head weights (T, Hi) f32."""
         q = self.wq_index(hn).float().view(hn.shape[0], self.index_num_heads, self.index_dim)
-        w = self.w_index(hn).float() / math.sqrt(self.index_num_heads * self.index_dim)
-        return q, w
+        return q, self.w_index(hn).float() / self._index_div
+
+    @property
+    def _index_div(self) -> float:
+        return math.sqrt(self.index_num_heads * self.index_dim)
 
     def attn_output(self, o: Tensor, pos: Tensor) -> Tensor:
         """o: (T, H, D) merged attention output -> (T, hidden): inverse RoPE (K = V carried the

@@ -113,33 +113,26 @@ class CEDModel(nn.Module):
 
     def _block(self, layer: CEDLayer, h: Tensor, batch: RowBatch, keys: KeySource,
                selections: dict[int, Tensor], window: WindowKeys | None = None) -> Tensor:
-        h = h + self._attention(layer, h, batch, keys, selections, window)
-        return h + layer.mlp(layer.mlp_norm(h))
-
-    def _attention(self, layer: CEDLayer, h: Tensor, batch: RowBatch, keys: KeySource,
-                   selections: dict[int, Tensor], window: WindowKeys | None) -> Tensor:
         cfg, i, k = self.cfg, layer.layer_id, self.kernels
         cu, pos = batch.cu, batch.pos
         rope = batch.rope(cfg.kv_latent_dim, cfg.rope_dim, cfg.rope_theta, self.fast)
         if layer.compressor is not None and i != cfg.decoder_start:
             keys.write_global(i, layer.compressor, h, batch)
-        hn = layer.attn_norm(h)
-        q = layer.queries(hn, rope)  # (T, H, D)
+        p = layer.project(h, rope, window=window is None)  # q (T, H, D), and the window rows to store
         if window is None:
-            window = keys.window_keys(i, layer.window_kv(hn, rope), batch)
-        o, lse = k.window_attention(q, window.keys, cu, window.cu, pos, window.pos, cfg.sliding_window,
+            window = keys.window_keys(i, p.kv, batch)
+        o, lse = k.window_attention(p.q, window.keys, cu, window.cu, pos, window.pos, cfg.sliding_window,
                                     keys.window_floor(i), layer.sink.float(), layer.scale, plan=window.plan)
         source = cfg.kv_source_of(i)
         if source is not None:
             view = keys.global_view(source)
             if layer.has_indexer:
-                iq, iw = layer.index_queries(hn)
-                selections[i] = k.indexer_topk(iq, iw, view.index_keys, cu, view.cu, pos, view.entry_pos,
+                selections[i] = k.indexer_topk(p.iq, p.iw, view.index_keys, cu, view.cu, pos, view.entry_pos,
                                                cfg.index_topk, plan=view.plan)
-            og, lg = k.sparse_attention(q, view.entries, cu, view.cu, selections[cfg.topk_source_of(i)],
+            og, lg = k.sparse_attention(p.q, view.entries, cu, view.cu, selections[cfg.topk_source_of(i)],
                                         layer.scale, plan=view.plan)
             o, lse = k.merge_states(o, lse, og, lg)
-        return layer.attn_output(o, rope)
+        return layer.tail(h, o, rope)  # h + attention output, then + MLP
 
     def _check_ids(self, input_ids: Tensor) -> None:
         if input_ids.dim() != 1 or input_ids.numel() == 0:

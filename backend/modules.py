@@ -19,7 +19,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # (..., dim) -> (..., dim) float32
         x = x.float()
-        if _inference_cpp(x, self.fast):
+        if inference_cpp(x, self.fast):
             return torch.ops.cedar_cpu.rms_norm(x.contiguous(), self.weight.detach(), self.eps)
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
@@ -94,12 +94,12 @@ def apply_rope(x: Tensor, pos: "Tensor | Rope", rope_dim: int, theta: float, inv
     rope = pos if isinstance(pos, Rope) else Rope.of(pos, x.shape[-1], rope_dim, theta)
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (x.shape[-1],)
     sin = rope.sin_inverse if inverse else rope.sin
-    if _inference_cpp(x, rope.fast):
+    if inference_cpp(x, rope.fast):
         return torch.ops.cedar_cpu.rope(x.contiguous(), rope.cos, sin, rope.partner)
     return x * rope.cos.view(shape) + rope.partners(x) * sin.view(shape)
 
 
-def _inference_cpp(x: Tensor, fast: bool) -> bool:
+def inference_cpp(x: Tensor, fast: bool) -> bool:
     """Norms and RoPE in one C++ call each on a model of the fast CPU backend, where no autograd
     runs (training keeps the torch ops) and the C++ kernels are built."""
     return fast and not torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype == torch.float32 \

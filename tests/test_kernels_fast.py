@@ -290,3 +290,54 @@ def test_cpp_norm_and_rope_equal_the_torch_modules():
         for inverse in (False, True):
             want = apply_rope(x, Rope.of(pos, D, 16, 10000.0), 16, 10000.0, inverse)
             close(apply_rope(x, Rope.of(pos, D, 16, 10000.0, fast=True), 16, 10000.0, inverse), want)
+
+
+@needs_ext
+@pytest.mark.parametrize("layer_id", [0, 1, 5])  # a window-only layer, a full one (indexer), a reader
+@pytest.mark.parametrize("rows", [1, 3, 130])
+def test_fused_layer_projections_and_tail_are_bit_identical_to_the_composition(layer_id, rows):
+    """CEDLayer.project / .tail in one C++ call each run the same ATen ops as the torch composition
+    on the fast path (C++ norms and RoPE): the same bits, with and without the window rows."""
+    from cedar.backend.config import CEDConfig
+    from cedar.backend.layer import CEDLayer
+    from cedar.backend.modules import RMSNorm, Rope
+
+    cfg = CEDConfig(vocab_size=64, hidden_size=128, intermediate_size=192, num_hidden_layers=8, num_attention_heads=4,
+                    kv_latent_dim=64, rope_dim=16, index_head_dim=32, index_num_heads=2, index_topk=8,
+                    compress_ratios=(0, 2, 2, 2, 1, 1, 1, 1), kv_source_layer_ids=(1, 4),
+                    index_source_layer_ids=(1, 4, 6), sliding_window=128)
+    torch.manual_seed(layer_id * 100 + rows)
+    layer = CEDLayer(cfg, layer_id)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    h = torch.randn(rows, cfg.hidden_size)
+    o = torch.randn(rows, cfg.num_attention_heads, cfg.kv_latent_dim)
+    pos = torch.randint(0, 16384, (rows,))
+    fast = Rope.of(pos, cfg.kv_latent_dim, cfg.rope_dim, cfg.rope_theta, fast=True)
+    slow = Rope.of(pos, cfg.kv_latent_dim, cfg.rope_dim, cfg.rope_theta)
+    with torch.no_grad():
+        ref = layer.project(h, slow)  # the pure-torch twin
+        ref_out = layer.tail(h, o, slow)
+        for m in layer.modules():
+            if isinstance(m, RMSNorm):
+                m.fast = True
+        hn = layer.attn_norm(h)  # the composition on the fast path: C++ norms and RoPE, torch matmuls
+        want_q, want_kv = layer.queries(hn, fast), layer.window_kv(hn, fast)
+        h1 = h + layer.attn_output(o, fast)
+        want_out = h1 + layer.mlp(layer.mlp_norm(h1))
+        for window in (True, False):
+            got = layer.project(h, fast, window=window)
+            assert torch.equal(got.q, want_q)
+            assert (got.kv is None) != window and (not window or torch.equal(got.kv, want_kv))
+            assert (got.iq is None) == (not layer.has_indexer)
+            if layer.has_indexer:
+                want_iq, want_iw = layer.index_queries(hn)
+                assert torch.equal(got.iq, want_iq) and torch.equal(got.iw, want_iw)
+                close(got.iw, ref.iw)
+            close(got.q, ref.q)  # and the twin within the C++ norm's tolerance
+        got_out = layer.tail(h, o, fast)
+    assert torch.equal(got_out, want_out)
+    close(got_out, ref_out)
+    with torch.enable_grad():  # training keeps the torch ops (autograd)
+        assert layer.tail(h, o, fast).requires_grad

@@ -698,6 +698,41 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return out;
 }
 
+// One layer's projections from its input rows h (T, hidden) f32, in one call: the torch
+// composition of CEDLayer.project (the same ATen matmuls, norm and RoPE kernels, in the same
+// order, so the results are bit-identical) without its ~15 Python-level calls.
+// Returns q (T, H, D) RoPE'd; the window K = V rows kv (T, D) normed and RoPE'd (empty without
+// wkv); the indexer's queries iq (T, Hi, Di) and head weights iw (T, Hi) / index_div (empty
+// without wq_index).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_project(
+    const at::Tensor& h, const at::Tensor& attn_norm, double eps, const at::Tensor& wq, int64_t heads,
+    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& partner, const c10::optional<at::Tensor>& wkv,
+    const c10::optional<at::Tensor>& kv_norm, const c10::optional<at::Tensor>& wq_index,
+    const c10::optional<at::Tensor>& w_index, int64_t index_heads, double index_div) {
+  const int64_t T = h.size(0);
+  const auto hn = rms_norm(h.contiguous(), attn_norm, eps);
+  auto q = rope(at::linear(hn, wq).view({T, heads, -1}), cos, sin, partner);
+  at::Tensor kv = hn.new_empty({0}), iq = hn.new_empty({0}), iw = hn.new_empty({0});
+  if (wkv.has_value()) kv = rope(rms_norm(at::linear(hn, *wkv), *kv_norm, eps), cos, sin, partner);
+  if (wq_index.has_value()) {
+    iq = at::linear(hn, *wq_index).view({T, index_heads, -1});
+    iw = at::linear(hn, *w_index) / index_div;
+  }
+  return {q, kv, iq, iw};
+}
+
+// The rest of a layer after its attention, in one call: h + wo(RoPE^-1(o)), then that plus the
+// SwiGLU MLP of its RMSNorm. h (T, hidden), o (T, H, D) f32 -> (T, hidden) f32; bit-identical to
+// CEDLayer.tail's torch composition (the same ATen ops in the same order).
+at::Tensor layer_tail(const at::Tensor& h, const at::Tensor& o, const at::Tensor& cos, const at::Tensor& sin_inverse,
+                      const at::Tensor& partner, const at::Tensor& wo, const at::Tensor& mlp_norm, double eps,
+                      const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down) {
+  const auto a = rope(o.contiguous(), cos, sin_inverse, partner);
+  const auto h1 = h + at::linear(a.reshape({o.size(0), -1}), wo);
+  const auto n = rms_norm(h1.contiguous(), mlp_norm, eps);
+  return h1 + at::linear(at::silu(at::linear(n, gate)) * at::linear(n, up), down);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(cedar_cpu, m) {
@@ -716,6 +751,11 @@ TORCH_LIBRARY(cedar_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, Tensor partner) -> Tensor");
   m.def("merge_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> (Tensor, Tensor)");
+  m.def("layer_project(Tensor h, Tensor attn_norm, float eps, Tensor wq, int heads, Tensor cos, Tensor sin, "
+        "Tensor partner, Tensor? wkv, Tensor? kv_norm, Tensor? wq_index, Tensor? w_index, int index_heads, "
+        "float index_div) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("layer_tail(Tensor h, Tensor o, Tensor cos, Tensor sin_inverse, Tensor partner, Tensor wo, Tensor mlp_norm, "
+        "float eps, Tensor gate, Tensor up, Tensor down) -> Tensor");
   m.def("fp8_ring_store(Tensor rows, Tensor slot, Tensor pos, Tensor(a!) codes, Tensor(b!) scales, "
         "Tensor(c!) ring_pos) -> ()");
 }
@@ -732,4 +772,6 @@ TORCH_LIBRARY_IMPL(cedar_cpu, CPU, m) {
   m.impl("merge_states", &merge_states);
   m.impl("rms_norm", &rms_norm);
   m.impl("rope", &rope);
+  m.impl("layer_project", &layer_project);
+  m.impl("layer_tail", &layer_tail);
 }
