@@ -1,18 +1,54 @@
 """`make demo`: serve the shipped model, run the coding agent on a small task (a forked parallel
-step and a subagent among its turns) and an OpenAI-client tool call against it, print the
-transcript with per-request prompt / cached / replayed / restored / new tokens, check the pools,
-and stop the server."""
+step and a subagent among its turns), then two tasks from held-out templates (a tool schema and a
+bug kind no training task uses, ``tasks/demo_heldout.json``) each judged by its own check, and an
+OpenAI-client tool call against it; print the transcripts with per-request prompt / cached /
+replayed / restored / new tokens, check the pools, and stop the server."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from cedar.frontend.server import connect
 
 from .cli import print_transcript
 from .coding import EXAMPLE_TASK
-from .outcome import tests_pass
-from .runs import run_agent
+from .outcome import outcome_ok, tests_pass
+from .runs import TASKS_DIR, run_agent
+
+CHECKS = {"coding": "the task's own test, run in a fresh sandbox over the files the agent left, passes",
+          "function-calling": "every call has the right name and argument values"}
+
+
+@dataclass(frozen=True)
+class DemoTask:
+    """A generated task as the corpus writes it (``Task.to_json``): what ``outcome_ok`` judges."""
+
+    agent: str
+    kind: str
+    template: str
+    inputs: dict
+    expect: dict
+
+
+def demo_tasks(path: Path = TASKS_DIR / "demo_heldout.json") -> list[DemoTask]:
+    return [DemoTask(**t) for t in json.loads(path.read_text())]
+
+
+def run_heldout(backend, task: DemoTask) -> bool:
+    """Run one held-out task, print its transcript and whether its own check passes."""
+    print(f"[demo] a task from a held-out template ({task.template}; {task.agent}):")
+    if task.agent == "coding":
+        print(f"[demo] task: {task.inputs['instruction']}")
+    else:
+        print(f"[demo] tools: {', '.join(t['function']['name'] for t in task.inputs['tools'])}; "
+              f"first request: {task.inputs['turns'][0]['user']!r}")
+    result = run_agent(task.agent, backend, task.inputs)
+    print_transcript(result)
+    ok = outcome_ok(task, result)
+    print(f"[demo] solved ({CHECKS[task.agent]}): {'yes' if ok else 'no'}")
+    return ok
 
 
 DEMO_TOOLS = [
@@ -54,6 +90,8 @@ def run_demo(model_dir: Path) -> int:
         files = result["files_after"]
         print(f"[demo] calc.py after the session:\n{files.get('calc.py', '(missing)')}")
         print(f"[demo] test_calc.py passes now: {tests_pass(files, 'test_calc.py')}")
+        for task in demo_tasks():
+            run_heldout(backend, task)
         print(f"[demo] OpenAI client, tool_choice=auto, 'What time is it in Oslo?': "
               f"{openai_tool_call(backend.base_url, str(model_dir))}")
         state = backend.server_info()["internal_states"][0]["cedar"]

@@ -291,3 +291,33 @@ def test_a_random_values_first_statement_carries_no_loss(tmp_path):
     assert checked
     assert set(np.unique(plain["weight"])) <= {0, 1}  # without values nothing is UNTRAINED
     assert (w == UNTRAINED).sum() > 0 and ((w == UNTRAINED) & (plain["weight"] == 1)).sum() == 0
+
+
+def test_the_demo_runs_heldout_templates_and_a_right_run_passes_their_checks():
+    """`make demo`'s task file is current, holds only held-out templates (no training task uses
+    them), and each task's own check passes on its scripted (right) run and fails on a wrong one."""
+    from cedar.agents.demo import demo_tasks as shipped
+    from cedar.agents.outcome import outcome_ok
+    from cedar.agents.runs import AGENTS
+    from cedar.training.corpus.build import demo_tasks
+
+    tasks = demo_tasks()
+    assert [t.to_json() for t in tasks] == [vars(t) for t in shipped()], "run scripts/write_demo_tasks.py"
+    assert {t.agent for t in tasks} == {"coding", "function-calling"}
+    counts = {t.kind: 40 for t in tasks}
+    trained = {t.template for split in ("train", "in-template") for t in make_tasks(4, split, counts)}
+    assert not {t.template for t in tasks} & trained
+    for task in tasks:
+        backend = ScriptedBackend(task.script)
+        right = AGENTS[task.agent](backend, task.inputs)
+        assert outcome_ok(task, right), task.template
+        if task.agent == "coding":  # the files as they were: the test still fails
+            assert not outcome_ok(task, {**right, "files_after": task.inputs["files"]})
+        else:  # the same calls judged against other values: wrong
+            inputs = json.loads(json.dumps(task.inputs))
+            for turn in inputs["turns"]:
+                for call in turn["expected"]:
+                    call["arguments"] = {k: [v] for k, v in call["arguments"].items()}
+            wrong = AGENTS[task.agent](ScriptedBackend(task.script), inputs)
+            assert wrong["scores"]["task_errors"] == 0 and wrong["scores"]["names_ok"] > 0  # scored, not refused
+            assert not outcome_ok(task, wrong)

@@ -69,6 +69,17 @@ def make_tasks(seed: int, split: str, counts: dict[str, int]) -> list[Task]:
     return tasks
 
 
+DEMO = {"function-calling": 1, "coding": 1}  # the held-out tasks `make demo` runs
+DEMO_SEED = 21
+
+
+def demo_tasks() -> list[Task]:
+    """The tasks `make demo` runs (``agents/tasks/demo_heldout.json``, written by
+    ``scripts/write_demo_tasks.py``): held-out templates only, a tool schema and a bug kind that no
+    training task uses."""
+    return make_tasks(DEMO_SEED, "heldout", DEMO)
+
+
 def prompt_key(task: Task) -> str:
     """A task's identity: all its inputs but its name (a training task equal to a held-out one
     in every input is dropped; a shared question with other facts is a different task)."""
