@@ -197,28 +197,31 @@ class DenseForward:
         B, n, H, D = q.shape
         W = self.W
         nb = n // W
+        q = q * scale  # NOTE: scaled once here, not the (many more) logits
         qb = q.view(B, nb, W, H, D)
         kb = kv.view(B, nb, W, D)
         kw = torch.cat([torch.cat([torch.zeros_like(kb[:, :1]), kb[:, :-1]], 1), kb], dim=2)  # (B, nb, 2W, D)
-        lw = torch.einsum("bjqhd,bjkd->bjqhk", qb, kw) * scale
+        lw = torch.einsum("bjqhd,bjkd->bjqhk", qb, kw)
         lw = lw.masked_fill(~mask[:, :, :, None, :], NEG)
         parts = [lw.reshape(B, n, H, 2 * W)]
         if glob is not None:
             ent, visible, (idx, valid) = glob
             if dense:
-                lg = torch.einsum("bthd,bcd->bthc", q, ent.rows) * scale
+                lg = torch.einsum("bthd,bcd->bthc", q, ent.rows)
                 lg = lg.masked_fill(~visible[:, :, None, :], NEG)
             else:
                 kg = ent.rows[torch.arange(B)[:, None, None], idx]  # (B, n, k, D)
-                lg = torch.einsum("bthd,btkd->bthk", q, kg) * scale
+                lg = torch.einsum("bthd,btkd->bthk", q, kg)
                 lg = lg.masked_fill(~valid[:, :, None, :], NEG)
             parts.append(lg)
         parts.append(sink.float().view(1, 1, H, 1).expand(B, n, H, 1))
-        p = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
-        pw = p[..., : 2 * W].reshape(B, nb, W, H, 2 * W)
+        # NOTE: split, not sliced: the backward is one cat of the parts' gradients, where each
+        # slice's backward filled a zero tensor of the whole softmax and copied into it
+        p = torch.softmax(torch.cat(parts, dim=-1), dim=-1).split([x.shape[-1] for x in parts], dim=-1)
+        pw = p[0].reshape(B, nb, W, H, 2 * W)
         o = torch.einsum("bjqhk,bjkd->bjqhd", pw, kw).reshape(B, n, H, D)
         if glob is not None:
-            pg = p[..., 2 * W: -1]
+            pg = p[1]
             o = o + (torch.einsum("bthc,bcd->bthd", pg, ent.rows) if dense else torch.einsum("bthk,btkd->bthd", pg, kg))
         return o, (lg if glob is not None and dense else None)
 
