@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .modules import RMSNorm, apply_rope
+from .modules import RMSNorm, Rope, apply_rope
 
 
 class Compressor(nn.Module):
@@ -47,7 +47,7 @@ class Compressor(nn.Module):
         else:
             w = torch.softmax(gate.view(-1, r, gate.shape[-1]), dim=1)
             pooled = (w * kv).sum(dim=1)  # (G, latent)
-        entry_pos = first_pos + (r - 1)
+        entry_pos = Rope.of(first_pos + (r - 1), pooled.shape[-1], self.rope_dim, self.rope_theta, self.kv_norm.fast)
         rows = apply_rope(self.kv_norm(pooled), entry_pos, self.rope_dim, self.rope_theta)
         return rows, self.index_norm(self.wk_index(pooled))
 

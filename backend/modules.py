@@ -59,6 +59,8 @@ class Rope:
     @classmethod
     def of(cls, pos: Tensor, dim: int, rope_dim: int, theta: float, fast: bool = False) -> "Rope":
         freqs, partner = _rope_constants(dim, rope_dim, theta, pos.device)
+        if inference_cpp(pos, fast, torch.int64):  # NOTE: the same ops in one C++ call (same bits)
+            return cls(*torch.ops.cedar_cpu.rope_tables(pos, freqs, dim), partner, rope_dim, fast)
         ang = pos.to(torch.float64)[:, None] * freqs[None, :]  # (T, half)
         cos, sin = ang.cos().float(), ang.sin().float()
         ones = cos.new_ones(1, dim - rope_dim).expand(pos.shape[0], -1)
@@ -99,8 +101,8 @@ def apply_rope(x: Tensor, pos: "Tensor | Rope", rope_dim: int, theta: float, inv
     return x * rope.cos.view(shape) + rope.partners(x) * sin.view(shape)
 
 
-def inference_cpp(x: Tensor, fast: bool) -> bool:
+def inference_cpp(x: Tensor, fast: bool, dtype: torch.dtype = torch.float32) -> bool:
     """Norms and RoPE in one C++ call each on a model of the fast CPU backend, where no autograd
     runs (training keeps the torch ops) and the C++ kernels are built."""
-    return fast and not torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype == torch.float32 \
+    return fast and not torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype == dtype \
         and cpu_ext.available()

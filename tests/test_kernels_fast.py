@@ -341,3 +341,23 @@ def test_fused_layer_projections_and_tail_are_bit_identical_to_the_composition(l
     close(got_out, ref_out)
     with torch.enable_grad():  # training keeps the torch ops (autograd)
         assert layer.tail(h, o, fast).requires_grad
+
+
+@needs_ext
+@pytest.mark.parametrize("rows", [1, 3, 200])
+def test_cpp_rope_tables_and_rotation_are_bit_identical_to_torch(rows):
+    """Rope.of in one C++ call (the same ATen ops) gives the same tables, and the C++ rotation the
+    same bits as the torch formula (no FMA contraction): the compressor may use either."""
+    from cedar.backend.modules import Rope, apply_rope
+
+    gen = torch.Generator().manual_seed(rows)
+    pos = torch.randint(0, 16384, (rows,), generator=gen)
+    x = torch.randn(rows, H, D, generator=gen)
+    with torch.no_grad():
+        fast, slow = Rope.of(pos, D, 16, 10000.0, fast=True), Rope.of(pos, D, 16, 10000.0)
+        for a, b in ((fast.cos, slow.cos), (fast.sin, slow.sin), (fast.sin_inverse, slow.sin_inverse)):
+            assert torch.equal(a, b)
+        for inverse in (False, True):
+            assert torch.equal(apply_rope(x, fast, 16, 10000.0, inverse), apply_rope(x, slow, 16, 10000.0, inverse))
+            assert torch.equal(apply_rope(x[:, 0], fast, 16, 10000.0, inverse),
+                               apply_rope(x[:, 0], slow, 16, 10000.0, inverse))

@@ -733,6 +733,17 @@ at::Tensor layer_tail(const at::Tensor& h, const at::Tensor& o, const at::Tensor
   return h1 + at::linear(at::silu(at::linear(n, gate)) * at::linear(n, up), down);
 }
 
+// RoPE tables of T rows, in one call: Rope.of's torch composition (angles in float64, cos and sin
+// cast to float32, the plain dims cos 1 and sin 0), the same ATen ops so the same bits.
+// pos (T,) int64, freqs (rope_dim / 2,) float64 -> cos, sin, sin_inverse (T, dim) float32.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_tables(const at::Tensor& pos, const at::Tensor& freqs, int64_t dim) {
+  const int64_t T = pos.size(0), plain = dim - 2 * freqs.size(0);
+  const auto ang = pos.to(at::kDouble).unsqueeze(1) * freqs.unsqueeze(0);
+  const auto cos = ang.cos().to(at::kFloat), sin = ang.sin().to(at::kFloat), neg = -sin;
+  const auto ones = at::ones({T, plain}, cos.options()), zeros = at::zeros({T, plain}, cos.options());
+  return {at::cat({ones, cos, cos}, 1), at::cat({zeros, neg, sin}, 1), at::cat({zeros, sin, neg}, 1)};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(cedar_cpu, m) {
@@ -756,6 +767,7 @@ TORCH_LIBRARY(cedar_cpu, m) {
         "float index_div) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("layer_tail(Tensor h, Tensor o, Tensor cos, Tensor sin_inverse, Tensor partner, Tensor wo, Tensor mlp_norm, "
         "float eps, Tensor gate, Tensor up, Tensor down) -> Tensor");
+  m.def("rope_tables(Tensor pos, Tensor freqs, int dim) -> (Tensor, Tensor, Tensor)");
   m.def("fp8_ring_store(Tensor rows, Tensor slot, Tensor pos, Tensor(a!) codes, Tensor(b!) scales, "
         "Tensor(c!) ring_pos) -> ()");
 }
@@ -774,4 +786,5 @@ TORCH_LIBRARY_IMPL(cedar_cpu, CPU, m) {
   m.impl("rope", &rope);
   m.impl("layer_project", &layer_project);
   m.impl("layer_tail", &layer_tail);
+  m.impl("rope_tables", &rope_tables);
 }
