@@ -67,6 +67,12 @@ class KeySource:
     def window_floor(self, layer: int) -> Tensor:  # (B,) int64
         raise NotImplementedError
 
+    def attend_in_place(self, layer, p, batch: RowBatch, selections: dict[int, Tensor], store: bool) -> Tensor | None:
+        """A layer's whole attention in one call where this source can (a served decode step on
+        the C++ kernels): store ``p.kv`` (when ``store``), attend, and keep the layer's top-k in
+        ``selections``; returns o (T, H, D) f32, or None: the model runs the per-kernel path."""
+        return None
+
 
 def entry_positions(num: int, ratio: int) -> Tensor:
     """(num,) int64: entry g becomes visible at its group's last position g*r + r - 1."""

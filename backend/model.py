@@ -26,7 +26,7 @@ from .cache import SequenceCache
 from .config import CEDConfig
 from .key_source import CachedKeys, ExtendPlan, KeySource, WholeSequenceKeys, WindowKeys
 from .kv_codec import KVCodec
-from .layer import CEDLayer
+from .layer import CEDLayer, Projections
 from .modules import RMSNorm
 from .rows import DecoderRows, RowBatch
 
@@ -113,12 +113,23 @@ class CEDModel(nn.Module):
 
     def _block(self, layer: CEDLayer, h: Tensor, batch: RowBatch, keys: KeySource,
                selections: dict[int, Tensor], window: WindowKeys | None = None) -> Tensor:
+        cfg = self.cfg
+        rope = batch.rope(cfg.kv_latent_dim, cfg.rope_dim, cfg.rope_theta, self.fast)
+        if layer.compressor is not None and layer.layer_id != cfg.decoder_start:
+            keys.write_global(layer.layer_id, layer.compressor, h, batch)
+        p = layer.project(h, rope, window=window is None)  # q (T, H, D), and the window rows to store
+        o = keys.attend_in_place(layer, p, batch, selections, store=window is None)  # a served decode step
+        if o is None:
+            o = self._attention(layer, p, batch, keys, selections, window)
+        return layer.tail(h, o, rope)  # h + attention output, then + MLP
+
+    def _attention(self, layer: CEDLayer, p: Projections, batch: RowBatch, keys: KeySource,
+                   selections: dict[int, Tensor], window: WindowKeys | None) -> Tensor:
+        """The layer's attention from its projections: window keys (stored, then read), the window
+        attention, and with a global source the indexer's top-k, the sparse attention and the
+        merge -> o (T, H, D) f32."""
         cfg, i, k = self.cfg, layer.layer_id, self.kernels
         cu, pos = batch.cu, batch.pos
-        rope = batch.rope(cfg.kv_latent_dim, cfg.rope_dim, cfg.rope_theta, self.fast)
-        if layer.compressor is not None and i != cfg.decoder_start:
-            keys.write_global(i, layer.compressor, h, batch)
-        p = layer.project(h, rope, window=window is None)  # q (T, H, D), and the window rows to store
         if window is None:
             window = keys.window_keys(i, p.kv, batch)
         o, lse = k.window_attention(p.q, window.keys, cu, window.cu, pos, window.pos, cfg.sliding_window,
@@ -132,7 +143,7 @@ class CEDModel(nn.Module):
             og, lg = k.sparse_attention(p.q, view.entries, cu, view.cu, selections[cfg.topk_source_of(i)],
                                         layer.scale, plan=view.plan)
             o, lse = k.merge_states(o, lse, og, lg)
-        return layer.tail(h, o, rope)  # h + attention output, then + MLP
+        return o
 
     def _check_ids(self, input_ids: Tensor) -> None:
         if input_ids.dim() != 1 or input_ids.numel() == 0:

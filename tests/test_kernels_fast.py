@@ -15,6 +15,7 @@ from cedar.kernels import codec_fast, cpu_ext, fp4_ref, fp8_ref, merge_fast, mer
 from cedar.kernels import sparse_attention_ref
 from cedar.kernels import window_attention_fast, window_attention_ref
 from cedar.kernels.formats import GLOBAL_ROW, INDEX_ROW, WINDOW_ROW
+from cedar.kernels.dispatch import KernelSet
 from cedar.kernels.plans import PoolPlan, RingPlan, global_plan, window_plan
 
 W, D, H, DI, HI = 128, 64, 4, 32, 2
@@ -361,3 +362,46 @@ def test_cpp_rope_tables_and_rotation_are_bit_identical_to_torch(rows):
             assert torch.equal(apply_rope(x, fast, 16, 10000.0, inverse), apply_rope(x, slow, 16, 10000.0, inverse))
             assert torch.equal(apply_rope(x[:, 0], fast, 16, 10000.0, inverse),
                                apply_rope(x[:, 0], slow, 16, 10000.0, inverse))
+
+
+@needs_ext
+def test_a_decode_steps_attention_in_one_call_is_bit_identical_to_the_per_kernel_path(monkeypatch):
+    """PoolKeys.attend_in_place (one ``decode_attention`` call a layer: ring store, window
+    attention, top-k, sparse attention, merge) against the per-kernel path (``window_keys`` and the
+    model's kernels one by one) on the same served decode steps: requests at odd and even
+    positions (a compression group completing or not), one past the window, batches of 1 and 3,
+    each step's hidden rows and every ring and pool byte equal."""
+    from cedar.backend.geometries import cedar_tiny
+    from cedar.backend.model_io import random_model
+    from cedar.backend.serving.driver import Driver, Req
+    from cedar.backend.serving.pool_keys import PoolKeys
+
+    cfg = cedar_tiny()
+    model = random_model(cfg, seed=5).eval().use_kernels(KernelSet.for_device("cpu"))
+    runs, fused_calls = [], []
+    attend = PoolKeys.attend_in_place
+    for fused in (True, False):
+        if fused:  # counted: the one-call path must run (a test that never took it proves nothing)
+            monkeypatch.setattr(PoolKeys, "attend_in_place",
+                                lambda self, *a, **k: fused_calls.append(attend(self, *a, **k)) or fused_calls[-1])
+        else:
+            monkeypatch.setattr(PoolKeys, "attend_in_place", lambda self, *a, **k: None)
+        d = Driver(model, num_slots=4096, num_reqs=3)
+        reqs = [Req(f"r{b}", b, [8 + (7 * b + 3 * i) % 400 for i in range(n)]) for b, n in enumerate((37, 300, 64))]
+        for r in reqs:
+            d.run([(r, len(r.ids))])
+        outs, calls = [], []
+        for step in range(6):
+            batch = reqs if step % 2 else reqs[:1]
+            for r in batch:
+                r.ids.append(9 + step)
+            outs.append(d.run([(r, 1) for r in batch]).hidden)
+        runs.append((outs, d.rt.pools, d.rt.slots))
+    (a, pa, sa), (b, pb, sb) = runs
+    assert sum(o is not None for o in fused_calls) == 6 * cfg.num_hidden_layers  # every decode step's layers
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    for layer in range(cfg.num_hidden_layers):
+        assert torch.equal(sa.ring_rows[layer], sb.ring_rows[layer]) and torch.equal(sa.ring_pos[layer], sb.ring_pos[layer])
+    for src in pa.sources:
+        assert torch.equal(pa.sources[src].rows, pb.sources[src].rows)

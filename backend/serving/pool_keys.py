@@ -114,6 +114,33 @@ class PoolKeys(KeySource):
     def window_floor(self, layer: int) -> Tensor:
         return self.tables.dec_floor if layer > self.cfg.decoder_start else self.tables.enc_floor
 
+    def attend_in_place(self, layer, p, batch: RowBatch, selections: dict[int, Tensor], store: bool) -> Tensor | None:
+        """A decode step's layer attention in one C++ call (``cedar_cpu::decode_attention``): the
+        same kernels on the same inputs as ``window_keys`` + the model's per-kernel attention."""
+        if not self.in_place or torch.is_grad_enabled():
+            return None
+        cfg, i = self.cfg, layer.layer_id
+        t = self.tables
+        floors = self.__dict__.setdefault("_row_floors", {})  # NOTE: per request -> per row, once a forward
+        decoder = i > cfg.decoder_start
+        if decoder not in floors:
+            floors[decoder] = self.window_floor(i).long()[t.enc.owner]
+        source = cfg.kv_source_of(i)
+        g = [None] * 8
+        if source is not None:
+            view = self.global_view(source)
+            v = view.plan
+            g = [v.rows, v.row_scales, v.index_rows, v.index_scales, v.entry_rows, v.cu_c, v.row_req, view.entry_pos]
+        idx = source is not None and layer.has_indexer
+        o, sel = torch.ops.cedar_cpu.decode_attention(
+            p.q, p.kv if store else None, self.slots.ring_rows[i], self.slots.ring_scales[i], self.slots.ring_pos[i],
+            t.slots, batch.pos, floors[decoder], layer.sink, cfg.sliding_window, layer.scale, *g,
+            p.iq if idx else None, p.iw if idx else None, cfg.index_topk,
+            selections[cfg.topk_source_of(i)] if source is not None and not idx else None)
+        if idx:
+            selections[i] = sel
+        return o
+
     # ------------------------------------------------------------------ the cut
     def decoder_rows(self, h: Tensor, batch: RowBatch) -> DecoderRows | None:
         t = self.tables

@@ -744,6 +744,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_tables(const at::Tensor& pos
   return {at::cat({ones, cos, cos}, 1), at::cat({zeros, neg, sin}, 1), at::cat({zeros, sin, neg}, 1)};
 }
 
+// One layer's attention in a decode step (one row per request), in one call: store the rows' window
+// K = V into the layer's FP8 ring (where kv is given; layer E's decoder pass stored them at the cut),
+// the window attention over the ring, and, with a global source, the indexer's top-k (or the
+// selection of the layer producing it, sel_in), the sparse attention over the FP4 pool and the
+// merge of both partials. The same kernels the per-kernel path calls, on the same inputs (the
+// same bits); what it saves is the Python between them (~10 calls a layer).
+// q (T, H, D) f32; kv (T, D) f32; floor (T,) int64 lowest readable window position of each row;
+// sink (H,) f32. Returns o (T, H, D) f32 and the top-k this layer computed (T, k) int32 (empty
+// when it computed none).
+std::tuple<at::Tensor, at::Tensor> decode_attention(
+    const at::Tensor& q, const c10::optional<at::Tensor>& kv, at::Tensor& codes, at::Tensor& scales,
+    at::Tensor& ring_pos, const at::Tensor& slot, const at::Tensor& pos, const at::Tensor& floor,
+    const at::Tensor& sink, int64_t window, double scale, const c10::optional<at::Tensor>& g_rows,
+    const c10::optional<at::Tensor>& g_row_scales, const c10::optional<at::Tensor>& g_index_rows,
+    const c10::optional<at::Tensor>& g_index_scales, const c10::optional<at::Tensor>& entry_rows,
+    const c10::optional<at::Tensor>& cu_c, const c10::optional<at::Tensor>& row_req,
+    const c10::optional<at::Tensor>& c_pos, const c10::optional<at::Tensor>& iq, const c10::optional<at::Tensor>& iw,
+    int64_t topk, const c10::optional<at::Tensor>& sel_in) {
+  if (kv.has_value()) fp8_ring_store(*kv, slot, pos, codes, scales, ring_pos);
+  auto [o, lse] = window_ring_attention(q, codes, scales, ring_pos, slot, pos, floor, sink, window, scale);
+  if (!g_rows.has_value()) return {o, q.new_empty({0}, q.options().dtype(at::kInt))};
+  at::Tensor sel = iq.has_value() ? indexer_topk(*iq, *iw, c10::nullopt, *g_index_rows, *g_index_scales, *entry_rows,
+                                                 *cu_c, *row_req, pos, *c_pos, topk)
+                                  : *sel_in;
+  auto [og, lg] = sparse_pool_attention(q, c10::nullopt, *g_rows, *g_row_scales, *entry_rows, *cu_c, *row_req, sel,
+                                        scale);
+  auto merged = std::get<0>(merge_states(o, lse, og, lg));
+  return {merged, iq.has_value() ? sel : q.new_empty({0}, q.options().dtype(at::kInt))};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(cedar_cpu, m) {
@@ -768,6 +798,10 @@ TORCH_LIBRARY(cedar_cpu, m) {
   m.def("layer_tail(Tensor h, Tensor o, Tensor cos, Tensor sin_inverse, Tensor partner, Tensor wo, Tensor mlp_norm, "
         "float eps, Tensor gate, Tensor up, Tensor down) -> Tensor");
   m.def("rope_tables(Tensor pos, Tensor freqs, int dim) -> (Tensor, Tensor, Tensor)");
+  m.def("decode_attention(Tensor q, Tensor? kv, Tensor(a!) codes, Tensor(b!) scales, Tensor(c!) ring_pos, "
+        "Tensor slot, Tensor pos, Tensor floor, Tensor sink, int window, float scale, Tensor? g_rows, "
+        "Tensor? g_row_scales, Tensor? g_index_rows, Tensor? g_index_scales, Tensor? entry_rows, Tensor? cu_c, "
+        "Tensor? row_req, Tensor? c_pos, Tensor? iq, Tensor? iw, int topk, Tensor? sel_in) -> (Tensor, Tensor)");
   m.def("fp8_ring_store(Tensor rows, Tensor slot, Tensor pos, Tensor(a!) codes, Tensor(b!) scales, "
         "Tensor(c!) ring_pos) -> ()");
 }
@@ -787,4 +821,5 @@ TORCH_LIBRARY_IMPL(cedar_cpu, CPU, m) {
   m.impl("layer_project", &layer_project);
   m.impl("layer_tail", &layer_tail);
   m.impl("rope_tables", &rope_tables);
+  m.impl("decode_attention", &decode_attention);
 }
