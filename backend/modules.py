@@ -58,7 +58,7 @@ class Rope:
 
     @classmethod
     def of(cls, pos: Tensor, dim: int, rope_dim: int, theta: float, fast: bool = False) -> "Rope":
-        freqs, partner = _rope_constants(dim, rope_dim, theta, pos.device)
+        freqs, partner = rope_constants(dim, rope_dim, theta, pos.device)
         if inference_cpp(pos, fast, torch.int64):  # NOTE: the same ops in one C++ call (same bits)
             return cls(*torch.ops.cedar_cpu.rope_tables(pos, freqs, dim), partner, rope_dim, fast)
         ang = pos.to(torch.float64)[:, None] * freqs[None, :]  # (T, half)
@@ -72,7 +72,7 @@ class Rope:
 _ROPE_CONSTANTS: dict = {}
 
 
-def _rope_constants(dim: int, rope_dim: int, theta: float, device: torch.device) -> tuple[Tensor, Tensor]:
+def rope_constants(dim: int, rope_dim: int, theta: float, device: torch.device) -> tuple[Tensor, Tensor]:
     """The frequencies ((rope_dim // 2,) float64) and the partner dims ((dim,) int64) of a RoPE
     geometry, made once per device: a decode step builds its tables from them in a few ops
     (they were a fifth of the ops of a step's RoPE tables)."""

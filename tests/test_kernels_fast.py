@@ -365,10 +365,11 @@ def test_cpp_rope_tables_and_rotation_are_bit_identical_to_torch(rows):
 
 
 @needs_ext
-def test_a_decode_steps_attention_in_one_call_is_bit_identical_to_the_per_kernel_path(monkeypatch):
-    """PoolKeys.attend_in_place (one ``decode_attention`` call a layer: ring store, window
-    attention, top-k, sparse attention, merge) against the per-kernel path (``window_keys`` and the
-    model's kernels one by one) on the same served decode steps: requests at odd and even
+def test_a_decode_steps_one_call_path_is_bit_identical_to_the_per_kernel_path(monkeypatch):
+    """PoolKeys' one-call decode path (a layer's attention in one ``decode_attention`` call: ring
+    store, window attention, top-k, sparse attention, merge; a source's compressor in one
+    ``compress_decode`` call) against the per-kernel path (``window_keys``, the model's kernels
+    and ``write_global``'s torch ops one by one) on the same served decode steps: requests at odd and even
     positions (a compression group completing or not), one past the window, batches of 1 and 3,
     each step's hidden rows and every ring and pool byte equal."""
     from cedar.backend.geometries import cedar_tiny
@@ -385,7 +386,7 @@ def test_a_decode_steps_attention_in_one_call_is_bit_identical_to_the_per_kernel
             monkeypatch.setattr(PoolKeys, "attend_in_place",
                                 lambda self, *a, **k: fused_calls.append(attend(self, *a, **k)) or fused_calls[-1])
         else:
-            monkeypatch.setattr(PoolKeys, "attend_in_place", lambda self, *a, **k: None)
+            monkeypatch.setattr(PoolKeys, "ONE_CALL", False)
         d = Driver(model, num_slots=4096, num_reqs=3)
         reqs = [Req(f"r{b}", b, [8 + (7 * b + 3 * i) % 400 for i in range(n)]) for b, n in enumerate((37, 300, 64))]
         for r in reqs:
@@ -403,5 +404,9 @@ def test_a_decode_steps_attention_in_one_call_is_bit_identical_to_the_per_kernel
         assert torch.equal(x, y)
     for layer in range(cfg.num_hidden_layers):
         assert torch.equal(sa.ring_rows[layer], sb.ring_rows[layer]) and torch.equal(sa.ring_pos[layer], sb.ring_pos[layer])
-    for src in pa.sources:
-        assert torch.equal(pa.sources[src].rows, pb.sources[src].rows)
+    for s in pa.sources:
+        for name in ("rows", "row_scales", "index_rows", "index_scales"):
+            assert torch.equal(getattr(pa.sources[s], name), getattr(pb.sources[s], name)), (s, name)
+    for s in sa.tail_kv:
+        assert torch.equal(sa.tail_kv[s], sb.tail_kv[s]) and torch.equal(sa.tail_gate[s], sb.tail_gate[s])
+        assert torch.equal(sa.tail_len[s], sb.tail_len[s])

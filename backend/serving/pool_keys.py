@@ -23,8 +23,10 @@ from ..compressor import Compressor
 from ..config import CEDConfig
 from ..key_source import GlobalView, KeySource, WindowKeys
 from ..kv_codec import KVCodec
+from ..modules import rope_constants
 from ..rows import DecoderRows, RowBatch
 from cedar.kernels import cpu_ext
+from cedar.kernels.formats import GLOBAL_ROW, INDEX_ROW
 from cedar.kernels.plans import PoolPlan, RingPlan
 
 from .batch_tables import BatchTables
@@ -44,12 +46,30 @@ class PoolKeys(KeySource):
             and pools.device.type == "cpu" and cpu_ext.available()
         self.in_place = self.cpp and self.tables.single_row
 
+    ONE_CALL = True  # NOTE: the tests switch the one-call decode path off to compare it with the other
+
+    def one_call(self) -> bool:
+        """A decode step on the C++ kernels, no autograd: a layer's attention and a source's
+        compressor each run as one C++ call (the same ops as the per-kernel path)."""
+        return self.ONE_CALL and self.in_place and not torch.is_grad_enabled()
+
     # ------------------------------------------------------------------ global KV
     def write_global(self, layer: int, comp: Compressor, x: Tensor, batch: RowBatch) -> None:
         r, src = comp.ratio, self.pools.sources[layer]
-        kv, gate = comp.project(x)  # (T, D) f32 each
         tails = r > 1
         w = self.tables.groups(r, self.slots.tail_len[layer] if tails else None)
+        if self.one_call():  # NOTE: a decode step: the same ops as below in one C++ call
+            freqs, partner = rope_constants(comp.wkv.weight.shape[0], comp.rope_dim, comp.rope_theta, x.device)
+            tail = (w.tail_src, w.tail_dst, self.slots.tail_kv[layer], self.slots.tail_gate[layer],
+                    self.slots.tail_len[layer], self.tables.slots, w.tail_len) if tails else (None,) * 7
+            torch.ops.cedar_cpu.compress_decode(
+                x, comp.norm.weight, comp.norm.eps, comp.wkv.weight, comp.wgate.weight if tails else None,
+                comp.kv_norm.weight, comp.wk_index.weight, comp.index_norm.weight, r, freqs, partner, w.src, w.first_pos,
+                w.dst, *tail, src.rows, src.row_scales, src.index_rows, src.index_scales, GLOBAL_ROW.group,
+                GLOBAL_ROW.scale == "e4m3", INDEX_ROW.group, INDEX_ROW.scale == "e4m3")
+            self.views.pop(layer, None)
+            return
+        kv, gate = comp.project(x)  # (T, D) f32 each
         if w.first_pos.numel():
             if tails:  # NOTE: a group begun in an earlier forward reads its first rows from the tail
                 kv_all = torch.cat([kv, self.slots.tail_kv[layer].view(-1, kv.shape[1])])
@@ -117,7 +137,7 @@ class PoolKeys(KeySource):
     def attend_in_place(self, layer, p, batch: RowBatch, selections: dict[int, Tensor], store: bool) -> Tensor | None:
         """A decode step's layer attention in one C++ call (``cedar_cpu::decode_attention``): the
         same kernels on the same inputs as ``window_keys`` + the model's per-kernel attention."""
-        if not self.in_place or torch.is_grad_enabled():
+        if not self.one_call():
             return None
         cfg, i = self.cfg, layer.layer_id
         t = self.tables

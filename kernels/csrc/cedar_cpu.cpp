@@ -774,6 +774,55 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(
   return {merged, iq.has_value() ? sel : q.new_empty({0}, q.options().dtype(at::kInt))};
 }
 
+// A KV source's compressor in a decode step, in one call: the projection of the rows x (T, hidden)
+// (RMSNorm, wkv, wgate), the groups this step completes pooled (rows src of [kv; the slots' pending
+// tails], the gate's softmax over each group; ratio 1: the row itself), each entry normed and
+// RoPE'd at its last position and its index key index_norm(wk_index(pooled)), both FP4-encoded into
+// the pool rows dst; then the rows tail_src kept pending at tail_dst and each slot's tail length
+// set. The torch composition of PoolKeys.write_global and Compressor.pool (the same ATen ops and
+// kernels, the same bits). first_pos (G,) int64 the written groups' first positions; freqs
+// (rope_dim / 2,) float64 and partner (D,) int64 the RoPE constants; tail_* undefined at ratio 1.
+void compress_decode(const at::Tensor& x, const at::Tensor& norm_w, double eps, const at::Tensor& wkv,
+                     const c10::optional<at::Tensor>& wgate, const at::Tensor& kv_norm_w, const at::Tensor& wk_index,
+                     const at::Tensor& index_norm_w, int64_t ratio, const at::Tensor& freqs, const at::Tensor& partner,
+                     const at::Tensor& src, const at::Tensor& first_pos, const at::Tensor& dst,
+                     const c10::optional<at::Tensor>& tail_src, const c10::optional<at::Tensor>& tail_dst,
+                     const c10::optional<at::Tensor>& tail_kv, const c10::optional<at::Tensor>& tail_gate,
+                     const c10::optional<at::Tensor>& tail_len, const c10::optional<at::Tensor>& slots,
+                     const c10::optional<at::Tensor>& new_tail_len, at::Tensor& rows, at::Tensor& row_scales,
+                     at::Tensor& index_rows, at::Tensor& index_scales, int64_t global_group, bool global_e4m3,
+                     int64_t index_group, bool index_e4m3) {
+  const auto xn = rms_norm(x.contiguous(), norm_w, eps);
+  const auto kv = at::linear(xn, wkv);
+  const auto gate = wgate.has_value() ? at::linear(xn, *wgate) : at::Tensor();
+  const int64_t L = kv.size(1);
+  if (first_pos.numel() > 0) {
+    const auto kv_all = ratio > 1 ? at::cat({kv, tail_kv->view({-1, L})}) : kv;
+    const auto kvg = kv_all.index({src}).view({-1, ratio, L});
+    at::Tensor pooled;
+    if (gate.defined()) {
+      const auto gate_all = ratio > 1 ? at::cat({gate, tail_gate->view({-1, L})}) : gate;
+      pooled = (at::softmax(gate_all.index({src}).view({-1, ratio, L}), 1) * kvg).sum(1);
+    } else {
+      pooled = kvg.select(1, 0);
+    }
+    auto [cos, sin, sin_inverse] = rope_tables(first_pos + (ratio - 1), freqs, L);
+    const auto entries = rope(rms_norm(pooled.contiguous(), kv_norm_w, eps), cos, sin, partner);
+    const auto index = rms_norm(at::linear(pooled, wk_index).contiguous(), index_norm_w, eps);
+    auto [codes, scales] = fp4_quantize(entries.contiguous(), global_group, global_e4m3);
+    rows.index_put_({dst}, codes);
+    row_scales.index_put_({dst}, scales);
+    auto [icodes, iscales] = fp4_quantize(index.contiguous(), index_group, index_e4m3);
+    index_rows.index_put_({dst}, icodes);
+    index_scales.index_put_({dst}, iscales);
+  }
+  if (ratio > 1) {
+    tail_kv->view({-1, L}).index_put_({*tail_dst}, kv.index({*tail_src}));
+    tail_gate->view({-1, L}).index_put_({*tail_dst}, gate.index({*tail_src}));
+    tail_len->index_put_({*slots}, *new_tail_len);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(cedar_cpu, m) {
@@ -802,6 +851,12 @@ TORCH_LIBRARY(cedar_cpu, m) {
         "Tensor slot, Tensor pos, Tensor floor, Tensor sink, int window, float scale, Tensor? g_rows, "
         "Tensor? g_row_scales, Tensor? g_index_rows, Tensor? g_index_scales, Tensor? entry_rows, Tensor? cu_c, "
         "Tensor? row_req, Tensor? c_pos, Tensor? iq, Tensor? iw, int topk, Tensor? sel_in) -> (Tensor, Tensor)");
+  m.def("compress_decode(Tensor x, Tensor norm_w, float eps, Tensor wkv, Tensor? wgate, Tensor kv_norm_w, "
+        "Tensor wk_index, Tensor index_norm_w, int ratio, Tensor freqs, Tensor partner, Tensor src, Tensor first_pos, "
+        "Tensor dst, Tensor? tail_src, Tensor? tail_dst, Tensor(a!)? tail_kv, Tensor(b!)? tail_gate, "
+        "Tensor(c!)? tail_len, Tensor? slots, Tensor? new_tail_len, Tensor(d!) rows, Tensor(e!) row_scales, "
+        "Tensor(f!) index_rows, Tensor(g!) index_scales, int global_group, bool global_e4m3, int index_group, "
+        "bool index_e4m3) -> ()");
   m.def("fp8_ring_store(Tensor rows, Tensor slot, Tensor pos, Tensor(a!) codes, Tensor(b!) scales, "
         "Tensor(c!) ring_pos) -> ()");
 }
@@ -822,4 +877,5 @@ TORCH_LIBRARY_IMPL(cedar_cpu, CPU, m) {
   m.impl("layer_tail", &layer_tail);
   m.impl("rope_tables", &rope_tables);
   m.impl("decode_attention", &decode_attention);
+  m.impl("compress_decode", &compress_decode);
 }
