@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .modules import RMSNorm, Rope, apply_rope
+from .modules import RMSNorm, Rope, apply_rope, linear
 
 
 class Compressor(nn.Module):
@@ -35,7 +35,8 @@ class Compressor(nn.Module):
     def project(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
         """x: (T, hidden) layer input -> kv (T, latent) f32 and gate (T, latent) f32 (None at r=1)."""
         xn = self.norm(x)
-        return self.wkv(xn).float(), (self.wgate(xn).float() if self.wgate is not None else None)
+        f = self.norm.fast
+        return linear(xn, self.wkv, f).float(), (linear(xn, self.wgate, f).float() if self.wgate is not None else None)
 
     def pool(self, kv: Tensor, gate: Tensor | None, first_pos: Tensor) -> tuple[Tensor, Tensor]:
         """kv, gate: (G * r, latent) rows of G complete groups; first_pos: (G,) int64 group starts.
@@ -49,7 +50,7 @@ class Compressor(nn.Module):
             pooled = (w * kv).sum(dim=1)  # (G, latent)
         entry_pos = Rope.of(first_pos + (r - 1), pooled.shape[-1], self.rope_dim, self.rope_theta, self.kv_norm.fast)
         rows = apply_rope(self.kv_norm(pooled), entry_pos, self.rope_dim, self.rope_theta)
-        return rows, self.index_norm(self.wk_index(pooled))
+        return rows, self.index_norm(linear(pooled, self.wk_index, self.norm.fast))
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from .compressor import Compressor
 from .config import CEDConfig, Role
-from .modules import RMSNorm, Rope, SwiGLU, apply_rope, inference_cpp
+from .modules import RMSNorm, Rope, SwiGLU, apply_rope, inference_cpp, linear
 
 
 @dataclass(frozen=True)
@@ -80,17 +80,17 @@ class CEDLayer(nn.Module):
 
     def queries(self, hn: Tensor, pos: Tensor) -> Tensor:
         """hn: (T, hidden) normed input; pos: (T,) -> q (T, H, D) f32 with RoPE on the slice."""
-        q = self.wq(hn).float().view(hn.shape[0], self.num_heads, self.latent)
+        q = linear(hn, self.wq, self.attn_norm.fast).float().view(hn.shape[0], self.num_heads, self.latent)
         return apply_rope(q, pos, self.rope_dim, self.rope_theta)
 
     def window_kv(self, hn: Tensor, pos: Tensor) -> Tensor:
         """(T, hidden), (T,) -> this layer's window K = V rows (T, D) f32, after RoPE."""
-        return apply_rope(self.kv_norm(self.wkv(hn)), pos, self.rope_dim, self.rope_theta)
+        return apply_rope(self.kv_norm(linear(hn, self.wkv, self.attn_norm.fast)), pos, self.rope_dim, self.rope_theta)
 
     def index_queries(self, hn: Tensor) -> tuple[Tensor, Tensor]:
         """(T, hidden) -> indexer queries (T, Hi, Di) f32 and head weights (T, Hi) f32."""
-        q = self.wq_index(hn).float().view(hn.shape[0], self.index_num_heads, self.index_dim)
-        return q, self.w_index(hn).float() / self._index_div
+        q = linear(hn, self.wq_index, self.attn_norm.fast).float().view(hn.shape[0], self.index_num_heads, self.index_dim)
+        return q, linear(hn, self.w_index, self.attn_norm.fast).float() / self._index_div
 
     @property
     def _index_div(self) -> float:
@@ -100,4 +100,4 @@ class CEDLayer(nn.Module):
         """o: (T, H, D) merged attention output -> (T, hidden): inverse RoPE (K = V carried the
         keys' rotation), then the output projection."""
         o = apply_rope(o, pos, self.rope_dim, self.rope_theta, inverse=True)
-        return self.wo(o.reshape(o.shape[0], self.num_heads * self.latent))
+        return linear(o.reshape(o.shape[0], self.num_heads * self.latent), self.wo, self.attn_norm.fast)

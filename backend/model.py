@@ -27,7 +27,7 @@ from .config import CEDConfig
 from .key_source import CachedKeys, ExtendPlan, KeySource, WholeSequenceKeys, WindowKeys
 from .kv_codec import KVCodec
 from .layer import CEDLayer, Projections
-from .modules import RMSNorm
+from .modules import RMSNorm, SwiGLU
 from .rows import DecoderRows, RowBatch
 
 
@@ -54,7 +54,7 @@ class CEDModel(nn.Module):
         self.kernels, self.codec = kernels, KVCodec(kernels, self.codec.quantize)
         self.fast = getattr(kernels, "backend", None) == "fast"  # NOTE: norms and RoPE in C++ too
         for m in self.modules():
-            if isinstance(m, RMSNorm):
+            if isinstance(m, (RMSNorm, SwiGLU)):
                 m.fast = self.fast
         return self
 

@@ -24,15 +24,26 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
+def linear(x: Tensor, layer: nn.Linear, fast: bool) -> Tensor:
+    """layer(x) for x (T, in) -> (T, out); on the fast CPU backend's inference path through
+    ``cedar_cpu::linear`` (a decode step's few rows at the memory's read speed, more rows by
+    ``at::linear``): what the one-call C++ ops run, so the composition gives their bits."""
+    if x.dim() == 2 and inference_cpp(x, fast):
+        return torch.ops.cedar_cpu.linear(x, layer.weight)
+    return layer(x)
+
+
 class SwiGLU(nn.Module):
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.fast = False  # NOTE: set by CEDModel on the fast CPU backend (see linear())
 
     def forward(self, x: Tensor) -> Tensor:  # (T, hidden) -> (T, hidden)
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        f = self.fast
+        return linear(nn.functional.silu(linear(x, self.gate_proj, f)) * linear(x, self.up_proj, f), self.down_proj, f)
 
 
 @dataclass(frozen=True)

@@ -297,11 +297,12 @@ def test_cpp_norm_and_rope_equal_the_torch_modules():
 @pytest.mark.parametrize("layer_id", [0, 1, 5])  # a window-only layer, a full one (indexer), a reader
 @pytest.mark.parametrize("rows", [1, 3, 130])
 def test_fused_layer_projections_and_tail_are_bit_identical_to_the_composition(layer_id, rows):
-    """CEDLayer.project / .tail in one C++ call each run the same ATen ops as the torch composition
-    on the fast path (C++ norms and RoPE): the same bits, with and without the window rows."""
+    """CEDLayer.project / .tail in one C++ call each run the same ops as the composition on the
+    fast path (C++ norms, RoPE and few-row matmuls): the same bits, with and without the window
+    rows (1 and 3 rows: the C++ matmul; 130: at::linear)."""
     from cedar.backend.config import CEDConfig
     from cedar.backend.layer import CEDLayer
-    from cedar.backend.modules import RMSNorm, Rope
+    from cedar.backend.modules import RMSNorm, Rope, SwiGLU
 
     cfg = CEDConfig(vocab_size=64, hidden_size=128, intermediate_size=192, num_hidden_layers=8, num_attention_heads=4,
                     kv_latent_dim=64, rope_dim=16, index_head_dim=32, index_num_heads=2, index_topk=8,
@@ -321,9 +322,9 @@ def test_fused_layer_projections_and_tail_are_bit_identical_to_the_composition(l
         ref = layer.project(h, slow)  # the pure-torch twin
         ref_out = layer.tail(h, o, slow)
         for m in layer.modules():
-            if isinstance(m, RMSNorm):
+            if isinstance(m, (RMSNorm, SwiGLU)):
                 m.fast = True
-        hn = layer.attn_norm(h)  # the composition on the fast path: C++ norms and RoPE, torch matmuls
+        hn = layer.attn_norm(h)  # the composition on the fast path: C++ norms, RoPE and matmuls
         want_q, want_kv = layer.queries(hn, fast), layer.window_kv(hn, fast)
         h1 = h + layer.attn_output(o, fast)
         want_out = h1 + layer.mlp(layer.mlp_norm(h1))
@@ -410,3 +411,30 @@ def test_a_decode_steps_one_call_path_is_bit_identical_to_the_per_kernel_path(mo
     for s in sa.tail_kv:
         assert torch.equal(sa.tail_kv[s], sb.tail_kv[s]) and torch.equal(sa.tail_gate[s], sb.tail_gate[s])
         assert torch.equal(sa.tail_len[s], sb.tail_len[s])
+
+
+@needs_ext
+@pytest.mark.parametrize("rows", [0, 1, 3, 8, 9])
+@pytest.mark.parametrize("n, k", [(2, 256), (32, 64), (256, 256), (512, 256), (2048, 256), (7, 12)])
+def test_few_row_linear_is_the_matmul_and_does_not_depend_on_the_threads(rows, n, k):
+    """``cedar_cpu::linear``: x @ w.T within float32 summation error; for more than 8 rows or an
+    inner size it does not vectorize, exactly ``at::linear``; its own results the same bits on 1 and
+    2 threads."""
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.ops.cedar_cpu.linear(x, w)
+        torch.set_num_threads(2)
+        two = torch.ops.cedar_cpu.linear(x, w)
+    finally:
+        torch.set_num_threads(threads)
+    want = torch.nn.functional.linear(x, w)
+    assert one.shape == want.shape == (rows, n)
+    if rows > 8 or k % 8:  # NOTE: MKL's own bits may depend on the threads
+        assert torch.equal(two, want)
+    else:
+        assert torch.equal(one, two)
+        assert rows == 0 or (one - want).abs().max().item() <= 1e-4
+        assert torch.equal(torch.ops.cedar_cpu.linear(x.t().contiguous().t(), w), one)  # strided rows: the same

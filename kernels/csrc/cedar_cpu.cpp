@@ -17,6 +17,7 @@
 #ifdef __AVX__
 #include <immintrin.h>
 #endif
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -659,6 +660,37 @@ std::tuple<at::Tensor, at::Tensor> merge_states(const at::Tensor& out_a, const a
   return {out, lse};
 }
 
+// x (M, K) f32 times w (N, K)^T f32 for the few rows of a decode step (M <= kLinearRows): each
+// output one dot() in its fixed order, the weight rows split across the threads. Larger M, or
+// shapes dot() does not vectorize, go to at::linear.
+// NOTE: why: a decode step's matmuls read every weight once and do little else (memory-bound);
+// MKL's few-row GEMM read at about 6 GB/s on one core here and slower on two, where a plain read
+// streams at 11 GB/s on one core and 19 on two (scripts/bench_linear.py). Deterministic: no output
+// depends on the thread count.
+constexpr int64_t kLinearRows = 8;
+
+at::Tensor row_linear(const at::Tensor& x, const at::Tensor& w) {
+  static const bool mkl = std::getenv("CEDAR_MKL_LINEAR") != nullptr;  // NOTE: an A/B switch for benchmarks
+  const int64_t M = x.size(0), K = w.size(1), N = w.size(0);
+  if (mkl || x.dim() != 2 || M > kLinearRows || K % 8 || x.scalar_type() != at::kFloat || w.scalar_type() != at::kFloat)
+    return at::linear(x, w);
+  const auto xc = x.contiguous(), wc = w.contiguous();
+  auto out = at::empty({M, N}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  // NOTE: two threads only where the weight is worth an OpenMP region (256 KB: ~20 us to read)
+  const int64_t grain = N * K < (int64_t(1) << 16) ? N : (N + 1) / 2;
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    float tmp[kLinearRows];
+    for (int64_t n = n0; n < n1; ++n) {
+      dots(xp, M, wp + n * K, K, tmp);
+      for (int64_t m = 0; m < M; ++m) op[m * N + n] = tmp[m];
+    }
+  });
+  return out;
+}
+
 // RMSNorm of the rows of x (N, D): x * rsqrt(mean(x^2) + eps) * w.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   const int64_t D = x.size(-1), N = x.numel() / D;
@@ -699,8 +731,8 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 }
 
 // One layer's projections from its input rows h (T, hidden) f32, in one call: the torch
-// composition of CEDLayer.project (the same ATen matmuls, norm and RoPE kernels, in the same
-// order, so the results are bit-identical) without its ~15 Python-level calls.
+// composition of CEDLayer.project (the same matmuls, norm and RoPE kernels, in the same order,
+// so the results are bit-identical) without its ~15 Python-level calls.
 // Returns q (T, H, D) RoPE'd; the window K = V rows kv (T, D) normed and RoPE'd (empty without
 // wkv); the indexer's queries iq (T, Hi, Di) and head weights iw (T, Hi) / index_div (empty
 // without wq_index).
@@ -711,26 +743,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_project(
     const c10::optional<at::Tensor>& w_index, int64_t index_heads, double index_div) {
   const int64_t T = h.size(0);
   const auto hn = rms_norm(h.contiguous(), attn_norm, eps);
-  auto q = rope(at::linear(hn, wq).view({T, heads, -1}), cos, sin, partner);
+  auto q = rope(row_linear(hn, wq).view({T, heads, -1}), cos, sin, partner);
   at::Tensor kv = hn.new_empty({0}), iq = hn.new_empty({0}), iw = hn.new_empty({0});
-  if (wkv.has_value()) kv = rope(rms_norm(at::linear(hn, *wkv), *kv_norm, eps), cos, sin, partner);
+  if (wkv.has_value()) kv = rope(rms_norm(row_linear(hn, *wkv), *kv_norm, eps), cos, sin, partner);
   if (wq_index.has_value()) {
-    iq = at::linear(hn, *wq_index).view({T, index_heads, -1});
-    iw = at::linear(hn, *w_index) / index_div;
+    iq = row_linear(hn, *wq_index).view({T, index_heads, -1});
+    iw = row_linear(hn, *w_index) / index_div;
   }
   return {q, kv, iq, iw};
 }
 
 // The rest of a layer after its attention, in one call: h + wo(RoPE^-1(o)), then that plus the
 // SwiGLU MLP of its RMSNorm. h (T, hidden), o (T, H, D) f32 -> (T, hidden) f32; bit-identical to
-// CEDLayer.tail's torch composition (the same ATen ops in the same order).
+// CEDLayer.tail's composition (the same ops in the same order).
 at::Tensor layer_tail(const at::Tensor& h, const at::Tensor& o, const at::Tensor& cos, const at::Tensor& sin_inverse,
                       const at::Tensor& partner, const at::Tensor& wo, const at::Tensor& mlp_norm, double eps,
                       const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down) {
   const auto a = rope(o.contiguous(), cos, sin_inverse, partner);
-  const auto h1 = h + at::linear(a.reshape({o.size(0), -1}), wo);
+  const auto h1 = h + row_linear(a.reshape({o.size(0), -1}), wo);
   const auto n = rms_norm(h1.contiguous(), mlp_norm, eps);
-  return h1 + at::linear(at::silu(at::linear(n, gate)) * at::linear(n, up), down);
+  return h1 + row_linear(at::silu(row_linear(n, gate)) * row_linear(n, up), down);
 }
 
 // RoPE tables of T rows, in one call: Rope.of's torch composition (angles in float64, cos and sin
@@ -793,8 +825,8 @@ void compress_decode(const at::Tensor& x, const at::Tensor& norm_w, double eps, 
                      at::Tensor& index_rows, at::Tensor& index_scales, int64_t global_group, bool global_e4m3,
                      int64_t index_group, bool index_e4m3) {
   const auto xn = rms_norm(x.contiguous(), norm_w, eps);
-  const auto kv = at::linear(xn, wkv);
-  const auto gate = wgate.has_value() ? at::linear(xn, *wgate) : at::Tensor();
+  const auto kv = row_linear(xn, wkv);
+  const auto gate = wgate.has_value() ? row_linear(xn, *wgate) : at::Tensor();
   const int64_t L = kv.size(1);
   if (first_pos.numel() > 0) {
     const auto kv_all = ratio > 1 ? at::cat({kv, tail_kv->view({-1, L})}) : kv;
@@ -808,7 +840,7 @@ void compress_decode(const at::Tensor& x, const at::Tensor& norm_w, double eps, 
     }
     auto [cos, sin, sin_inverse] = rope_tables(first_pos + (ratio - 1), freqs, L);
     const auto entries = rope(rms_norm(pooled.contiguous(), kv_norm_w, eps), cos, sin, partner);
-    const auto index = rms_norm(at::linear(pooled, wk_index).contiguous(), index_norm_w, eps);
+    const auto index = rms_norm(row_linear(pooled, wk_index).contiguous(), index_norm_w, eps);
     auto [codes, scales] = fp4_quantize(entries.contiguous(), global_group, global_e4m3);
     rows.index_put_({dst}, codes);
     row_scales.index_put_({dst}, scales);
@@ -839,6 +871,7 @@ TORCH_LIBRARY(cedar_cpu, m) {
   m.def("fp8_quantize(Tensor x) -> (Tensor, Tensor)");
   m.def("fp4_quantize(Tensor x, int group, bool e4m3) -> (Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("linear(Tensor x, Tensor w) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, Tensor partner) -> Tensor");
   m.def("merge_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> (Tensor, Tensor)");
   m.def("layer_project(Tensor h, Tensor attn_norm, float eps, Tensor wq, int heads, Tensor cos, Tensor sin, "
@@ -872,6 +905,7 @@ TORCH_LIBRARY_IMPL(cedar_cpu, CPU, m) {
   m.impl("fp4_quantize", &fp4_quantize);
   m.impl("merge_states", &merge_states);
   m.impl("rms_norm", &rms_norm);
+  m.impl("linear", &row_linear);
   m.impl("rope", &rope);
   m.impl("layer_project", &layer_project);
   m.impl("layer_tail", &layer_tail);
