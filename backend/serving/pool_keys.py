@@ -40,6 +40,7 @@ class PoolKeys(KeySource):
         self.cfg, self.codec, self.pools, self.slots, self.plan = cfg, codec, pools, slots, plan
         self.tables = BatchTables.build(cfg, plan, slots)
         self.views: dict[int, GlobalView] = {}
+        self.row_floors: dict[bool, Tensor] = {}  # decoder? -> (T,) int64 window floor of each row
         # NOTE: a decode step (one row per request, decoder on it) reads rings and pools in place
         # through the C++ kernels; every other forward runs the batched torch plans.
         self.cpp = codec.quantize and codec.kernels.backend_of("window_attention") == "fast" \
@@ -141,10 +142,9 @@ class PoolKeys(KeySource):
             return None
         cfg, i = self.cfg, layer.layer_id
         t = self.tables
-        floors = self.__dict__.setdefault("_row_floors", {})  # NOTE: per request -> per row, once a forward
         decoder = i > cfg.decoder_start
-        if decoder not in floors:
-            floors[decoder] = self.window_floor(i).long()[t.enc.owner]
+        if decoder not in self.row_floors:  # NOTE: per request -> per row, once a forward
+            self.row_floors[decoder] = self.window_floor(i).long()[t.enc.owner]
         source = cfg.kv_source_of(i)
         g = [None] * 8
         if source is not None:
@@ -154,7 +154,7 @@ class PoolKeys(KeySource):
         idx = source is not None and layer.has_indexer
         o, sel = torch.ops.cedar_cpu.decode_attention(
             p.q, p.kv if store else None, self.slots.ring_rows[i], self.slots.ring_scales[i], self.slots.ring_pos[i],
-            t.slots, batch.pos, floors[decoder], layer.sink, cfg.sliding_window, layer.scale, *g,
+            t.slots, batch.pos, self.row_floors[decoder], layer.sink, cfg.sliding_window, layer.scale, *g,
             p.iq if idx else None, p.iw if idx else None, cfg.index_topk,
             selections[cfg.topk_source_of(i)] if source is not None and not idx else None)
         if idx:
