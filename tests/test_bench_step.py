@@ -9,7 +9,8 @@ import sys
 from cedar.backend.config import CEDConfig
 from cedar.drivers.bench.step import QUICK_CASES
 
-MATMULS = ("aten::mm", "aten::addmm", "cedar_cpu::linear", "cedar_cpu::layer_tail", "cedar_cpu::layer_project")
+MATMULS = ("aten::mm", "aten::addmm", "cedar_cpu::linear", "cedar_cpu::layer_tail", "cedar_cpu::layer_project",
+           "cedar_cpu::decode_step")
 
 
 def test_bench_step_runs_hits_as_hits_and_reports_the_ops(tiny_model_dir, tmp_path):
@@ -23,6 +24,6 @@ def test_bench_step_runs_hits_as_hits_and_reports_the_ops(tiny_model_dir, tmp_pa
         want_rows = case.batch if case.kind == "decode" else min(W, case.context) + case.new
         assert got["rows"] == want_rows, got
         assert 0 < got["ms_best"] <= got["ms_median"] and got["aten_ops"] > 0
-        # the matmuls: ATen's, or inside the fast backend's one-call layer ops on a decode step
+        # the matmuls: ATen's, or inside the fast backend's one-call ops on a decode step (a layer or the whole step)
         assert any(o["op"].startswith(MATMULS) for o in got["top_ops"]), got["top_ops"]
     assert report["kernels"] in ("fast", "torch") and report["machine"]["cpu_count"] >= 1

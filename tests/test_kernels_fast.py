@@ -376,10 +376,12 @@ def test_a_decode_steps_one_call_path_is_bit_identical_to_the_per_kernel_path(mo
     from cedar.backend.geometries import cedar_tiny
     from cedar.backend.model_io import random_model
     from cedar.backend.serving.driver import Driver, Req
+    from cedar.backend.serving import native_step
     from cedar.backend.serving.pool_keys import PoolKeys
 
     cfg = cedar_tiny()
     model = random_model(cfg, seed=5).eval().use_kernels(KernelSet.for_device("cpu"))
+    monkeypatch.setattr(native_step, "ENABLED", False)  # NOTE: the layer loop in Python (the native call's own test is below)
     runs, fused_calls = [], []
     attend = PoolKeys.attend_in_place
     for fused in (True, False):
@@ -411,6 +413,57 @@ def test_a_decode_steps_one_call_path_is_bit_identical_to_the_per_kernel_path(mo
     for s in sa.tail_kv:
         assert torch.equal(sa.tail_kv[s], sb.tail_kv[s]) and torch.equal(sa.tail_gate[s], sb.tail_gate[s])
         assert torch.equal(sa.tail_len[s], sb.tail_len[s])
+
+
+@needs_ext
+@pytest.mark.parametrize("geometry", ["cedar-tiny", "cedar-agent"])
+def test_a_decode_step_in_one_native_call_is_bit_identical_to_the_per_layer_path(monkeypatch, geometry):
+    """``cedar_cpu::decode_step`` (the layer loop and the cut in C++) against ``run_layers`` over
+    PoolKeys' one-call path on the same served decode steps: batches of 1 and 3, groups completing
+    or not, a context past the window; every step's hidden rows, ring, pool, tail and stored
+    encoder-output byte equal; and the native call is what ran (counted)."""
+    from cedar.backend.geometries import cedar_tiny, geometry as named
+    from cedar.backend.model_io import random_model
+    from cedar.backend.serving import native_step
+    from cedar.backend.serving.driver import Driver, Req
+
+    cfg = cedar_tiny() if geometry == "cedar-tiny" else named(geometry)
+    model = random_model(cfg, seed=7).eval().use_kernels(KernelSet.for_device("cpu"))
+    runs, native_calls = [], []
+    decode = native_step.native_decode
+    for native in (True, False):
+        if native:
+            monkeypatch.setattr(native_step, "native_decode",
+                                lambda *a: native_calls.append(1) or decode(*a))
+            monkeypatch.setattr("cedar.backend.serving.step.native_decode", native_step.native_decode)
+        else:
+            monkeypatch.setattr(native_step, "ENABLED", False)
+        d = Driver(model, num_slots=4096, num_reqs=3)
+        reqs = [Req(f"r{b}", b, [8 + (7 * b + 3 * i) % 400 for i in range(n)]) for b, n in enumerate((37, 300, 64))]
+        for r in reqs:
+            d.run([(r, len(r.ids))])
+        outs = []
+        for step in range(6):
+            batch = reqs if step % 2 else reqs[:1]
+            for r in batch:
+                r.ids.append(9 + step)
+            res = d.run([(r, 1) for r in batch])
+            outs.append((res.hidden, res.decoded))
+        runs.append((outs, d.rt.pools, d.rt.slots))
+    (a, pa, sa), (b, pb, sb) = runs
+    assert len(native_calls) == 6  # every decode step, and no prefill
+    for (x, dx), (y, dy) in zip(a, b):
+        assert torch.equal(dx, dy) and dx.all() and torch.equal(x, y)
+    for layer in range(cfg.num_hidden_layers):
+        assert torch.equal(sa.ring_rows[layer], sb.ring_rows[layer]) and torch.equal(sa.ring_pos[layer], sb.ring_pos[layer])
+        assert torch.equal(sa.ring_scales[layer], sb.ring_scales[layer])
+    for s in pa.sources:
+        for name in ("rows", "row_scales", "index_rows", "index_scales"):
+            assert torch.equal(getattr(pa.sources[s], name), getattr(pb.sources[s], name)), (s, name)
+    for s in sa.tail_kv:
+        assert torch.equal(sa.tail_kv[s], sb.tail_kv[s]) and torch.equal(sa.tail_gate[s], sb.tail_gate[s])
+        assert torch.equal(sa.tail_len[s], sb.tail_len[s])
+    assert torch.equal(sa.enc_out, sb.enc_out) and torch.equal(sa.enc_pos, sb.enc_pos)
 
 
 @needs_ext

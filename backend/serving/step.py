@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from ..model import CEDModel
+from .native_step import native_decode, runs_native
 from .planner import ServedForward
 from .pool_keys import PoolKeys
 from .pools import RequestSlots, TokenPools
@@ -24,7 +25,11 @@ def served_step(model: CEDModel, pools: TokenPools, slots: RequestSlots, plan: S
     cut by a mask): what a whole-step native call or a captured graph needs
     (``tests/test_decode_step_sync_free.py``)."""
     keys = PoolKeys(model.cfg, model.codec, pools, slots, plan)
-    dec = model.run_layers(model.embed(plan.input_ids), plan.batch, keys)
+    h = model.embed(plan.input_ids)
+    if runs_native(model, keys):  # a decode step on the C++ kernels: the layers in one native call
+        dec = native_decode(model, h, plan.batch, keys)
+    else:
+        dec = model.run_layers(h, plan.batch, keys)
     keys.commit()
     hidden = torch.zeros(num_rows + 1, model.cfg.hidden_size, device=pools.device)  # row num_rows: the sink
     decoded = torch.zeros(num_rows + 1, dtype=torch.bool, device=pools.device)

@@ -855,6 +855,92 @@ void compress_decode(const at::Tensor& x, const at::Tensor& norm_w, double eps, 
   }
 }
 
+
+// A whole served decode step in one call: every layer's compressor, projections, attention and
+// tail, and the cut between them, as run_layers + PoolKeys' one-call path compose them (the same
+// functions on the same inputs in the same order, so the same bits); what it saves is the Python
+// between the ~4 calls a layer (module lookups, argument lists, the dispatcher). The CPU
+// counterpart of a captured decode graph: the per-step tables are built before it, and nothing in
+// it reads a value back to decide a shape.
+//
+// The lists are flat, in the layouts backend/serving/native_step.py writes (NW / NF / NI entries a
+// layer, then NS step tensors and NL a layer). h (T, hidden) f32 embeddings of the step's rows ->
+// the last layer's output on the decoder rows (T', hidden) f32. Writes the rings, the pools, the
+// compressor tails and the stored encoder outputs, as the per-layer path does.
+constexpr int64_t NW = 20, NF = 5, NI = 6, NS = 17, NL = 25;
+
+at::Tensor decode_step(const at::Tensor& h_in, const std::vector<c10::optional<at::Tensor>>& w,
+                       at::ArrayRef<double> f, at::ArrayRef<int64_t> ints,
+                       const std::vector<c10::optional<at::Tensor>>& st) {
+  const int64_t E = ints[0], window = ints[1], topk = ints[2], g_group = ints[3], i_group = ints[5];
+  const bool g_e4m3 = ints[4] != 0, i_e4m3 = ints[6] != 0;
+  const int64_t L = (int64_t)(ints.size() - 7) / NI;
+  TORCH_CHECK((int64_t)w.size() == L * NW && (int64_t)f.size() == L * NF && (int64_t)st.size() == NS + L * NL,
+              "decode_step: list sizes do not match ", L, " layers");
+  auto W = [&](int64_t i, int64_t k) -> const c10::optional<at::Tensor>& { return w[i * NW + k]; };
+  auto S = [&](int64_t k) -> const at::Tensor& { return *st[k]; };
+  auto SL = [&](int64_t i, int64_t k) -> const c10::optional<at::Tensor>& { return st[NS + i * NL + k]; };
+  auto I = [&](int64_t i, int64_t k) { return ints[7 + i * NI + k]; };
+  const at::Tensor &partner = S(3), &slots = S(7), &pos = S(8), &dpos = S(9);
+  std::vector<at::Tensor> sel(L);
+
+  auto compress = [&](int64_t i, const at::Tensor& x) {
+    const int64_t r = I(i, 2);
+    auto m = [&](int64_t k) -> at::Tensor { return *SL(i, k); };
+    auto o = [&](int64_t k) -> c10::optional<at::Tensor> { return r > 1 ? SL(i, k) : c10::nullopt; };
+    at::Tensor rows = m(21), row_scales = m(22), index_rows = m(23), index_scales = m(24);
+    c10::optional<at::Tensor> tail_kv = o(16), tail_gate = o(17), tail_len = o(18);
+    compress_decode(x, *W(i, 12), f[i * NF + 4], *W(i, 13), r > 1 ? W(i, 14) : c10::nullopt, *W(i, 15), *W(i, 16),
+                    *W(i, 17), r, *W(i, 18), *W(i, 19), m(11), m(12), m(13), o(14), o(15), tail_kv, tail_gate,
+                    tail_len, o(19), o(20), rows, row_scales, index_rows, index_scales, g_group, g_e4m3, i_group,
+                    i_e4m3);
+  };
+  // one layer from its projections on: the attention in one call, then the tail
+  // (layer E's decoder pass runs on the decoder rows but reads the encoder's window floor)
+  auto block = [&](int64_t i, const at::Tensor& h, bool dec) -> at::Tensor {
+    const bool store = i != E, dec_floor = i > E;
+    if (I(i, 2) > 0 && i != E) compress(i, h);
+    const at::Tensor &cos = dec ? S(4) : S(0), &sin = dec ? S(5) : S(1), &sin_inv = dec ? S(6) : S(2);
+    const int64_t source = I(i, 3), index_heads = I(i, 1);
+    const bool has_idx = I(i, 5) != 0, idx = source >= 0 && has_idx;
+    auto [q, kv, iq, iw] = layer_project(h, *W(i, 0), f[i * NF], *W(i, 1), I(i, 0), cos, sin, partner,
+                                         store ? W(i, 2) : c10::nullopt, store ? W(i, 3) : c10::nullopt,
+                                         has_idx ? W(i, 4) : c10::nullopt, has_idx ? W(i, 5) : c10::nullopt,
+                                         has_idx ? index_heads : 0, has_idx ? f[i * NF + 2] : 1.0);
+    at::Tensor codes = *SL(i, 0), scales = *SL(i, 1), ring_pos = *SL(i, 2);
+    auto g = [&](int64_t k) -> c10::optional<at::Tensor> { return source >= 0 ? SL(i, 3 + k) : c10::nullopt; };
+    c10::optional<at::Tensor> sel_in;
+    if (source >= 0 && !idx) sel_in = sel[I(i, 4)];
+    auto [o, s] = decode_attention(q, store ? c10::optional<at::Tensor>(kv) : c10::nullopt, codes, scales, ring_pos,
+                                   slots, dec ? dpos : pos, dec_floor ? S(11) : S(10), *W(i, 6), window, f[i * NF + 3], g(0),
+                                   g(1), g(2), g(3), g(4), g(5), g(6), g(7),
+                                   idx ? c10::optional<at::Tensor>(iq) : c10::nullopt,
+                                   idx ? c10::optional<at::Tensor>(iw) : c10::nullopt, topk, sel_in);
+    if (idx) sel[i] = s;
+    return layer_tail(h, o, cos, sin_inv, partner, *W(i, 7), *W(i, 8), f[i * NF + 1], *W(i, 9), *W(i, 10),
+                      *W(i, 11));
+  };
+
+  at::Tensor h = h_in;
+  for (int64_t i = 0; i < E; ++i) h = block(i, h, false);
+  // the cut: layer E writes the global KV and its window rows for every row; its attention and
+  // every later layer run on the decoder rows only
+  compress(E, h);
+  const auto kv = rope(rms_norm(row_linear(rms_norm(h.contiguous(), *W(E, 0), f[E * NF]), *W(E, 2)), *W(E, 3),
+                                f[E * NF]),
+                       S(0), S(1), partner);
+  at::Tensor codes = *SL(E, 0), scales = *SL(E, 1), ring_pos = *SL(E, 2);
+  fp8_ring_store(kv.contiguous(), slots, pos, codes, scales, ring_pos);
+  at::Tensor enc_out = S(13), enc_pos = S(16);
+  auto dec = at::cat({h, enc_out}).index({S(12)});  // read before this step's outputs are kept
+  enc_out.index_put_({S(14)}, h.index({S(15)}));
+  enc_pos.index_put_({S(14)}, pos.index({S(15)}));
+  if (dec.size(0) == 0) return dec;
+  std::fill(sel.begin(), sel.end(), at::Tensor());
+  for (int64_t i = E; i < L; ++i) dec = block(i, dec, true);
+  return dec;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(cedar_cpu, m) {
@@ -890,6 +976,8 @@ TORCH_LIBRARY(cedar_cpu, m) {
         "Tensor(c!)? tail_len, Tensor? slots, Tensor? new_tail_len, Tensor(d!) rows, Tensor(e!) row_scales, "
         "Tensor(f!) index_rows, Tensor(g!) index_scales, int global_group, bool global_e4m3, int index_group, "
         "bool index_e4m3) -> ()");
+  // NOTE: writes pool, ring, tail and encoder-output tensors inside its step list (eager CPU only)
+  m.def("decode_step(Tensor h, Tensor?[] weights, float[] floats, int[] ints, Tensor?[] step) -> Tensor");
   m.def("fp8_ring_store(Tensor rows, Tensor slot, Tensor pos, Tensor(a!) codes, Tensor(b!) scales, "
         "Tensor(c!) ring_pos) -> ()");
 }
@@ -912,4 +1000,5 @@ TORCH_LIBRARY_IMPL(cedar_cpu, CPU, m) {
   m.impl("rope_tables", &rope_tables);
   m.impl("decode_attention", &decode_attention);
   m.impl("compress_decode", &compress_decode);
+  m.impl("decode_step", &decode_step);
 }

@@ -1,0 +1,117 @@
+"""A served decode step in one native call (``cedar_cpu::decode_step``): the CPU counterpart of a
+captured decode graph.
+
+``CEDModel.run_layers`` over :class:`PoolKeys`' one-call path makes about four C++ calls a layer
+(the compressor, the projections, the attention, the tail) with Python between them: module
+lookups, argument lists and the dispatcher, a sizeable part of a few-millisecond step. Here the
+layer loop and the cut run in C++: the same functions on the same inputs in the same order, so
+the same bits (``tests/test_kernels_fast.py`` compares every hidden row, ring, pool and tail byte
+with the per-layer path). Python builds the step's tables first (``BatchTables``, the RoPE
+tables, the global views); nothing inside the call decides a shape from a tensor's value.
+
+The op reads flat lists; their layouts (per layer: ``NW`` weights, ``NF`` floats, ``NI`` ints;
+``NS`` step tensors, then ``NL`` per layer) are written here and read by ``decode_step`` in
+``kernels/csrc/cedar_cpu.cpp``: change both together.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from cedar.kernels.formats import GLOBAL_ROW, INDEX_ROW
+
+from ..model import CEDModel
+from ..modules import rope_constants
+from ..rows import DecoderRows, RowBatch
+from .pool_keys import PoolKeys
+
+NW, NF, NI, NS, NL = 20, 5, 6, 17, 25
+ENABLED = True  # NOTE: the tests switch it off to compare with the per-layer path
+
+
+@dataclass(frozen=True)
+class NativeWeights:
+    """A model's weights and constants in ``decode_step``'s layout, made once per model (the
+    tensors by reference: an in-place weight update is seen, a replaced Parameter is not)."""
+
+    tensors: list[Tensor | None]  # L * NW
+    floats: list[float]  # L * NF
+    ints: list[int]  # 7 + L * NI
+
+
+_WEIGHTS: "weakref.WeakKeyDictionary[CEDModel, NativeWeights]" = weakref.WeakKeyDictionary()
+
+
+def native_weights(model: CEDModel) -> NativeWeights:
+    if model not in _WEIGHTS:
+        cfg, tensors, floats = model.cfg, [], []
+        ints = [cfg.decoder_start, cfg.sliding_window, cfg.index_topk, GLOBAL_ROW.group,
+                int(GLOBAL_ROW.scale == "e4m3"), INDEX_ROW.group, int(INDEX_ROW.scale == "e4m3")]
+        for layer in model.layers:
+            i, c, idx = layer.layer_id, layer.compressor, layer.has_indexer
+            comp = [None] * 8
+            if c is not None:
+                freqs, partner = rope_constants(c.wkv.weight.shape[0], c.rope_dim, c.rope_theta, c.wkv.weight.device)
+                comp = [c.norm.weight, c.wkv.weight, c.wgate.weight if c.wgate is not None else None, c.kv_norm.weight,
+                        c.wk_index.weight, c.index_norm.weight, freqs, partner]
+            tensors += [layer.attn_norm.weight, layer.wq.weight, layer.wkv.weight, layer.kv_norm.weight,
+                        layer.wq_index.weight if idx else None, layer.w_index.weight if idx else None, layer.sink,
+                        layer.wo.weight, layer.mlp_norm.weight, layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight,
+                        layer.mlp.down_proj.weight, *comp]
+            floats += [layer.attn_norm.eps, layer.mlp_norm.eps, layer._index_div if idx else 1.0, layer.scale,
+                       c.norm.eps if c is not None else 0.0]
+            source, topk_source = cfg.kv_source_of(i), cfg.topk_source_of(i)
+            ints += [layer.num_heads, layer.index_num_heads if idx else 0, c.ratio if c is not None else 0,
+                     -1 if source is None else source, -1 if source is None or topk_source is None else topk_source,
+                     int(idx)]
+        _WEIGHTS[model] = NativeWeights(tensors, floats, ints)
+    return _WEIGHTS[model]
+
+
+def runs_native(model: CEDModel, keys: PoolKeys) -> bool:
+    """A decode step on the C++ kernels, no autograd (``keys.one_call()``), the model's own ops
+    in C++ too (``model.fast``): the step the native call stands for."""
+    return ENABLED and model.fast and keys.one_call()
+
+
+def native_decode(model: CEDModel, h: Tensor, batch: RowBatch, keys: PoolKeys) -> DecoderRows:
+    """``model.run_layers(h, batch, keys)`` of a decode step on the one-call path
+    (``keys.one_call()``), in one C++ call. h: (T, hidden) f32 embeddings -> the decoder rows."""
+    cfg, t, slots, E = model.cfg, keys.tables, keys.slots, model.cfg.decoder_start
+    dec = t.dec.batch
+    enc_rope = batch.rope(cfg.kv_latent_dim, cfg.rope_dim, cfg.rope_theta, model.fast)
+    dec_rope = dec.rope(cfg.kv_latent_dim, cfg.rope_dim, cfg.rope_theta, model.fast)
+    floors = {d: keys.window_floor(E + 1 if d else E).long()[t.enc.owner] for d in (False, True)}
+    enc_out = slots.enc_out.view(-1, h.shape[1])
+    step = [enc_rope.cos, enc_rope.sin, enc_rope.sin_inverse, enc_rope.partner, dec_rope.cos, dec_rope.sin,
+            dec_rope.sin_inverse, t.slots, batch.pos, dec.pos, floors[False], floors[True], t.dec_src, enc_out,
+            t.enc_out_dst, t.enc_out_src, slots.enc_pos.view(-1)]
+    for layer in model.layers:
+        i, c = layer.layer_id, layer.compressor
+        per = [slots.ring_rows[i], slots.ring_scales[i], slots.ring_pos[i]] + [None] * (NL - 3)
+        source = cfg.kv_source_of(i)
+        if source is not None:
+            view = keys.global_view(source)
+            v = view.plan
+            per[3:11] = [v.rows, v.row_scales, v.index_rows, v.index_scales, v.entry_rows, v.cu_c, v.row_req,
+                         view.entry_pos]
+        if c is not None:
+            r, src = c.ratio, keys.pools.sources[i]
+            w = t.groups(r, slots.tail_len[i] if r > 1 else None)
+            per[11:14] = [w.src, w.first_pos, w.dst]
+            if r > 1:
+                per[14:21] = [w.tail_src, w.tail_dst, slots.tail_kv[i], slots.tail_gate[i], slots.tail_len[i], t.slots,
+                              w.tail_len]
+            per[21:25] = [src.rows, src.row_scales, src.index_rows, src.index_scales]
+        step += per
+    nw = native_weights(model)
+    out = torch.ops.cedar_cpu.decode_step(h, nw.tensors, nw.floats, nw.ints, step)
+    keys.views.clear()  # NOTE: the pools were written behind the views' backs (they hold no data in place)
+    return DecoderRows(out, dec, t.dec_source_row)
+
+
+__all__ = ["NativeWeights", "native_weights", "runs_native", "native_decode", "NW", "NF", "NI", "NS", "NL"]
