@@ -7,11 +7,17 @@
 #     nohup scripts/train_chain.sh runs > runs/chain.log 2>&1 &
 #
 # RUNS (default runs/): the run folders (checkpoints, curves, probes, exported models); keep it out
-# of commits (only the final model is committed, into models/). THREADS (default 2): torch threads.
+# of commits. THREADS (default 2): torch threads.
+#
+# A session's RUNS does not outlive its machine, and the chain is longer than a session, so a
+# finished stage's model is also kept in the repo, once, in float16 (scripts/stage_checkpoint.py:
+# training/checkpoints/<stage>.safetensors, committed by hand); a later session's chain restores
+# the newest one it finds and starts after it. Only the chain's end is the shipped model (models/).
 #
 # 1. copy256: the short-context copy curriculum (a copy head inside the window);
-# 2. recall1k: strings repeated at every distance up to 1,024, the first 1,400 steps attending every
-#    global entry with the indexer distilled toward that attention;
+# 2. recall1k: strings repeated at every distance up to 1,024, the first 500 steps attending every
+#    global entry with the indexer distilled toward that attention (an earlier 2,400-step run's
+#    repeat probe had flattened by step 300-700: RECALL_STEPS, default 700);
 # 3. agent: the agent corpus with copy and recall rows mixed in (cedar train);
 # 4. eval: cedar evaluate on the held-out templates (RUNS/eval.json).
 set -euo pipefail
@@ -20,6 +26,20 @@ RUNS=${1:-runs}
 T=${THREADS:-2}
 PY=.venv/bin/python
 mkdir -p "$RUNS"
+CKPT=training/checkpoints
+
+# a stage kept in the repo by an earlier session: restore its model, mark it and those before done
+restore() {
+  local name=$1
+  shift
+  if [ -f "$CKPT/$name.safetensors" ] && [ ! -f "$RUNS/$name-export.done" ]; then
+    echo "[chain] $name: restored from $CKPT/$name.safetensors"
+    $PY scripts/stage_checkpoint.py restore "$CKPT/$name.safetensors" "$RUNS/$name/model"
+    for s in "$@" "$name" "$name-export" "$name-keep"; do touch "$RUNS/$s.done"; done
+  fi
+}
+restore recall1k copy256 copy256-export copy256-keep
+restore copy256
 
 stage() {
   local name=$1
@@ -37,10 +57,14 @@ stage copy256 $PY scripts/copy_curriculum.py --init models/cedar-agent --out "$R
   --seq-len 256 --batch 16 --steps 850 --lr 1e-3 --threads "$T"
 stage copy256-export $PY scripts/copy_curriculum.py --init models/cedar-agent --out "$RUNS/copy256" \
   --export "$RUNS/copy256/model"
+stage copy256-keep $PY scripts/stage_checkpoint.py save "$RUNS/copy256/model" "$CKPT/copy256.safetensors" \
+  --note "copy256: copy_curriculum --kind copy --seq-len 256 --batch 16 --steps 850 --lr 1e-3"
 stage recall1k $PY scripts/copy_curriculum.py --init "$RUNS/copy256/model" --out "$RUNS/recall1k" --kind recall \
-  --seq-len 1024 --batch 4 --steps 2400 --dense-steps 1400 --lr 1e-3 --threads "$T" --aux-weight 1.0 --aux-stride 1
+  --seq-len 1024 --batch 4 --steps ${RECALL_STEPS:-700} --dense-steps 500 --lr 1e-3 --threads "$T" --aux-weight 1.0 --aux-stride 1
 stage recall1k-export $PY scripts/copy_curriculum.py --init "$RUNS/copy256/model" --out "$RUNS/recall1k" \
   --export "$RUNS/recall1k/model"
+stage recall1k-keep $PY scripts/stage_checkpoint.py save "$RUNS/recall1k/model" "$CKPT/recall1k.safetensors" \
+  --note "recall1k: copy_curriculum --kind recall --seq-len 1024 --batch 4 --dense-steps 500 --lr 1e-3 from copy256"
 stage agent $PY -m cedar.cli train --init "$RUNS/recall1k/model" --out "$RUNS/agent" --steps 1500 \
   --copy-share 0.3 --recall-share 0.5 --context-weight 0.05 --threads "$T" --no-progress
 stage eval $PY -m cedar.cli evaluate --model "$RUNS/agent/model" --limit 4 --json "$RUNS/eval.json"

@@ -1,0 +1,84 @@
+"""Keep a finished training stage across sessions: its weights in the repo, in float16.
+
+    .venv/bin/python scripts/stage_checkpoint.py save MODEL_DIR training/checkpoints/NAME.safetensors \
+        [--note TEXT]
+    .venv/bin/python scripts/stage_checkpoint.py restore training/checkpoints/NAME.safetensors MODEL_DIR \
+        [--like models/cedar-agent]
+
+Why: issue 21's training chain takes longer than one session, and a session's `runs/` (git-ignored,
+beside the checkpoints with their optimizer state) does not outlive its machine. A stage's *model*
+is what the next stage starts from, so that is what is kept: every weight in float16 (half the
+bytes of the float32 model folder; a weight above 6e-5 in magnitude within 2^-11 relative of the
+trained one, a smaller one within 6e-8: the next stage's first steps absorb that), with the stage's provenance in the file's metadata. `restore`
+writes a float32 model folder (config, tokenizer and generation config of `--like`, the shipped
+model by default) that `--init` of the next stage reads. Each stage is written once; the shipped
+model in `models/` is the chain's end, not one of these.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, safe_open, save_file
+
+from cedar.backend.model_io import load_model, save_model
+from cedar.backend.tokenizer import TOKENIZER_FILES
+
+
+def save(model_dir: Path, out: Path, note: str) -> None:
+    model = load_model(model_dir, quantize=False)
+    half = {k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items()}
+    for k, v in model.state_dict().items():
+        if v.is_floating_point() and not torch.isfinite(half[k]).all():
+            raise ValueError(f"{k}: does not fit float16 (max |w| {float(v.abs().max()):.3g})")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"from": str(model_dir), "note": note, "config": json.dumps(model.cfg.__dict__, default=str)}
+    training = model_dir / "training.json"
+    if training.is_file():
+        meta["training"] = training.read_text()
+    save_file(half, str(out), metadata=meta)
+    print(f"saved {len(half)} tensors ({out.stat().st_size / 2**20:.1f} MiB) to {out}")
+
+
+def restore(ckpt: Path, model_dir: Path, like: Path) -> None:
+    model = load_model(like, quantize=False)
+    state = model.state_dict()
+    half = load_file(str(ckpt))
+    if set(half) != set(state):
+        raise ValueError(f"{ckpt}: tensors differ from {like}'s: {sorted(set(half) ^ set(state))[:5]}")
+    model.load_state_dict({k: half[k].to(state[k].dtype) for k in state}, strict=True)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    save_model(model, model_dir)
+    for name in TOKENIZER_FILES:
+        if (like / name).exists():
+            shutil.copy(like / name, model_dir / name)
+    with safe_open(str(ckpt), "pt") as f:
+        meta = f.metadata() or {}
+    (model_dir / "stage.json").write_text(json.dumps({"checkpoint": str(ckpt), **meta}, indent=1) + "\n")
+    print(f"restored {ckpt} to {model_dir}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("save")
+    s.add_argument("model_dir", type=Path)
+    s.add_argument("out", type=Path)
+    s.add_argument("--note", default="")
+    r = sub.add_parser("restore")
+    r.add_argument("ckpt", type=Path)
+    r.add_argument("model_dir", type=Path)
+    r.add_argument("--like", type=Path, default=Path("models/cedar-agent"))
+    a = ap.parse_args()
+    if a.cmd == "save":
+        save(a.model_dir, a.out, a.note)
+    else:
+        restore(a.ckpt, a.model_dir, a.like)
+
+
+if __name__ == "__main__":
+    main()
