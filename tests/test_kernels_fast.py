@@ -365,6 +365,36 @@ def test_cpp_rope_tables_and_rotation_are_bit_identical_to_torch(rows):
                                apply_rope(x[:, 0], slow, 16, 10000.0, inverse))
 
 
+def _mixed_decode_steps(model):
+    """Three requests prefilled (37, 300 and 64 tokens: one past the window), then 6 served decode
+    steps of 1 and 3 requests at odd and even positions -> (each step's StepOutput, pools, slots)."""
+    from cedar.backend.serving.driver import Driver, Req
+
+    d = Driver(model, num_slots=4096, num_reqs=3)
+    reqs = [Req(f"r{b}", b, [8 + (7 * b + 3 * i) % 400 for i in range(n)]) for b, n in enumerate((37, 300, 64))]
+    for r in reqs:
+        d.run([(r, len(r.ids))])
+    outs = []
+    for step in range(6):
+        batch = reqs if step % 2 else reqs[:1]
+        for r in batch:
+            r.ids.append(9 + step)
+        outs.append(d.run([(r, 1) for r in batch]))
+    return outs, d.rt.pools, d.rt.slots
+
+
+def _assert_same_caches(cfg, pa, sa, pb, sb):
+    """Every ring row and position, pool row, scale and index row, and compressor tail equal."""
+    for layer in range(cfg.num_hidden_layers):
+        assert torch.equal(sa.ring_rows[layer], sb.ring_rows[layer]) and torch.equal(sa.ring_pos[layer], sb.ring_pos[layer])
+    for s in pa.sources:
+        for name in ("rows", "row_scales", "index_rows", "index_scales"):
+            assert torch.equal(getattr(pa.sources[s], name), getattr(pb.sources[s], name)), (s, name)
+    for s in sa.tail_kv:
+        assert torch.equal(sa.tail_kv[s], sb.tail_kv[s]) and torch.equal(sa.tail_gate[s], sb.tail_gate[s])
+        assert torch.equal(sa.tail_len[s], sb.tail_len[s])
+
+
 @needs_ext
 def test_a_decode_steps_one_call_path_is_bit_identical_to_the_per_kernel_path(monkeypatch):
     """PoolKeys' one-call decode path (a layer's attention in one ``decode_attention`` call: ring
@@ -375,7 +405,6 @@ def test_a_decode_steps_one_call_path_is_bit_identical_to_the_per_kernel_path(mo
     each step's hidden rows and every ring and pool byte equal."""
     from cedar.backend.geometries import cedar_tiny
     from cedar.backend.model_io import random_model
-    from cedar.backend.serving.driver import Driver, Req
     from cedar.backend.serving import native_step
     from cedar.backend.serving.pool_keys import PoolKeys
 
@@ -390,29 +419,12 @@ def test_a_decode_steps_one_call_path_is_bit_identical_to_the_per_kernel_path(mo
                                 lambda self, *a, **k: fused_calls.append(attend(self, *a, **k)) or fused_calls[-1])
         else:
             monkeypatch.setattr(PoolKeys, "ONE_CALL", False)
-        d = Driver(model, num_slots=4096, num_reqs=3)
-        reqs = [Req(f"r{b}", b, [8 + (7 * b + 3 * i) % 400 for i in range(n)]) for b, n in enumerate((37, 300, 64))]
-        for r in reqs:
-            d.run([(r, len(r.ids))])
-        outs, calls = [], []
-        for step in range(6):
-            batch = reqs if step % 2 else reqs[:1]
-            for r in batch:
-                r.ids.append(9 + step)
-            outs.append(d.run([(r, 1) for r in batch]).hidden)
-        runs.append((outs, d.rt.pools, d.rt.slots))
+        runs.append(_mixed_decode_steps(model))
     (a, pa, sa), (b, pb, sb) = runs
     assert sum(o is not None for o in fused_calls) == 6 * cfg.num_hidden_layers  # every decode step's layers
     for x, y in zip(a, b):
-        assert torch.equal(x, y)
-    for layer in range(cfg.num_hidden_layers):
-        assert torch.equal(sa.ring_rows[layer], sb.ring_rows[layer]) and torch.equal(sa.ring_pos[layer], sb.ring_pos[layer])
-    for s in pa.sources:
-        for name in ("rows", "row_scales", "index_rows", "index_scales"):
-            assert torch.equal(getattr(pa.sources[s], name), getattr(pb.sources[s], name)), (s, name)
-    for s in sa.tail_kv:
-        assert torch.equal(sa.tail_kv[s], sb.tail_kv[s]) and torch.equal(sa.tail_gate[s], sb.tail_gate[s])
-        assert torch.equal(sa.tail_len[s], sb.tail_len[s])
+        assert torch.equal(x.hidden, y.hidden)
+    _assert_same_caches(cfg, pa, sa, pb, sb)
 
 
 @needs_ext
@@ -425,7 +437,6 @@ def test_a_decode_step_in_one_native_call_is_bit_identical_to_the_per_layer_path
     from cedar.backend.geometries import cedar_tiny, geometry as named
     from cedar.backend.model_io import random_model
     from cedar.backend.serving import native_step
-    from cedar.backend.serving.driver import Driver, Req
 
     cfg = cedar_tiny() if geometry == "cedar-tiny" else named(geometry)
     model = random_model(cfg, seed=7).eval().use_kernels(KernelSet.for_device("cpu"))
@@ -438,31 +449,14 @@ def test_a_decode_step_in_one_native_call_is_bit_identical_to_the_per_layer_path
             monkeypatch.setattr("cedar.backend.serving.step.native_decode", native_step.native_decode)
         else:
             monkeypatch.setattr(native_step, "ENABLED", False)
-        d = Driver(model, num_slots=4096, num_reqs=3)
-        reqs = [Req(f"r{b}", b, [8 + (7 * b + 3 * i) % 400 for i in range(n)]) for b, n in enumerate((37, 300, 64))]
-        for r in reqs:
-            d.run([(r, len(r.ids))])
-        outs = []
-        for step in range(6):
-            batch = reqs if step % 2 else reqs[:1]
-            for r in batch:
-                r.ids.append(9 + step)
-            res = d.run([(r, 1) for r in batch])
-            outs.append((res.hidden, res.decoded))
-        runs.append((outs, d.rt.pools, d.rt.slots))
+        runs.append(_mixed_decode_steps(model))
     (a, pa, sa), (b, pb, sb) = runs
     assert len(native_calls) == 6  # every decode step, and no prefill
-    for (x, dx), (y, dy) in zip(a, b):
-        assert torch.equal(dx, dy) and dx.all() and torch.equal(x, y)
+    for x, y in zip(a, b):
+        assert torch.equal(x.decoded, y.decoded) and x.decoded.all() and torch.equal(x.hidden, y.hidden)
     for layer in range(cfg.num_hidden_layers):
-        assert torch.equal(sa.ring_rows[layer], sb.ring_rows[layer]) and torch.equal(sa.ring_pos[layer], sb.ring_pos[layer])
         assert torch.equal(sa.ring_scales[layer], sb.ring_scales[layer])
-    for s in pa.sources:
-        for name in ("rows", "row_scales", "index_rows", "index_scales"):
-            assert torch.equal(getattr(pa.sources[s], name), getattr(pb.sources[s], name)), (s, name)
-    for s in sa.tail_kv:
-        assert torch.equal(sa.tail_kv[s], sb.tail_kv[s]) and torch.equal(sa.tail_gate[s], sb.tail_gate[s])
-        assert torch.equal(sa.tail_len[s], sb.tail_len[s])
+    _assert_same_caches(cfg, pa, sa, pb, sb)
     assert torch.equal(sa.enc_out, sb.enc_out) and torch.equal(sa.enc_pos, sb.enc_pos)
 
 
