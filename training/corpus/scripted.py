@@ -18,6 +18,7 @@ from sglang.lang.backend.base_backend import BaseBackend
 
 from cedar.backend.tokenizer import END, ROLE_MARKERS
 from cedar.frontend.chat import register
+from cedar.frontend.executor_fix import install as install_executor_fix
 
 USER = ROLE_MARKERS["user"]
 ASSISTANT = ROLE_MARKERS["assistant"]
@@ -45,6 +46,7 @@ class ScriptedBackend(BaseBackend):
 
     def __init__(self, script: dict[tuple[str, int | None], list[str]]) -> None:
         super().__init__()
+        install_executor_fix()  # NOTE: before any program runs on this backend (see executor_fix)
         self.chat_template = register()
         self.queues = {k: deque(v) for k, v in script.items()}
         self.lock = threading.RLock()  # NOTE: end_program may run from a GC'd executor's __del__
