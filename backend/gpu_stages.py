@@ -414,6 +414,7 @@ def stage_graphs(ctx: Ctx) -> dict:
     its split into the two parts the graphs hold (which must compute the same logits), and the
     checkpoint the capture restores from; the status is then ``skipped``."""
     from cedar.backend.serving.planner import RequestInfo, ServingFlags, plan_forward
+    from cedar.backend.serving.runtime import StepInput
     from cedar.backend.serving.pool_keys import PoolKeys
     from cedar.backend.serving.step import served_step
 
@@ -435,7 +436,9 @@ def stage_graphs(ctx: Ctx) -> dict:
     def plan_decode():  # NOTE: always the same step: from the prefilled state, one token each
         for r, b in zip(reqs, base):
             r.token_slots = list(b)
-        inp, input_ids = d.prepare([(r, 1) for r in reqs])
+        fb, input_ids = d.prepare([(r, 1) for r in reqs])
+        d.rt.write_ids(fb.out_cache_loc, input_ids)
+        inp = StepInput.of(fb, d.req_to_token)
         return plan_forward(cfg, flags, d.slots, d.pools, d.req_to_token, inp.rids, inp.req_slots, inp.prefix_lens,
                             inp.extend_lens, input_ids, [RequestInfo()] * B)
 

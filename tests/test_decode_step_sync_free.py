@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from cedar.backend.geometries import cedar_tiny
 from cedar.backend.model_io import random_model
+from cedar.backend.serving.driver import HostBatch, Mode
 from cedar.backend.serving.runtime import StepInput
 from cedar.kernels import cpu_ext
 from cedar.kernels.dispatch import KernelSet
@@ -126,11 +127,14 @@ def decode_step(h: Harness, reqs, guard: NoHostSync | None = None) -> torch.Tens
         prefix.append(H)
     dev = h.pools.device
     out_cache_loc, input_ids = torch.tensor(out_loc, device=dev), torch.tensor(ids, device=dev)
-    rids, req_slots = [r.rid for r in reqs], [r.slot for r in reqs]
+    req_slots = torch.tensor([r.slot for r in reqs])
+    fb = HostBatch(Mode(decode=True), [r.rid for r in reqs], req_slots, req_slots.to(dev),
+                   torch.tensor(prefix) + 1, [], [], out_cache_loc)
+    inp = StepInput.of(fb, h.rt.req_to_token)  # SGLang's host lists (its ``*_cpu`` tensors)
     with guard if guard is not None else torch.no_grad():
         with torch.no_grad():
-            h.rt.write_ids(out_cache_loc, input_ids)  # as CedarForCausalLM.forward
-            out = h.rt.step(input_ids, StepInput("decode", rids, req_slots, prefix, [1] * len(reqs), h.req_to_token))
+            h.rt.write_ids(fb.out_cache_loc, input_ids)  # the rest of CedarRuntime.forward
+            out = h.rt.step(input_ids, inp)
             return h.model.lm_head(out.hidden)
 
 

@@ -28,11 +28,16 @@ class FakePool:  # stands in for SGLang's ReqToTokenPool: only its identity matt
     pass
 
 
+def table(requests: int = 4, max_len: int = 256) -> torch.Tensor:
+    """SGLang's request-to-token table, (request slots, max len) int32."""
+    return torch.zeros(requests, max_len, dtype=torch.int32)
+
+
 def test_hooks_find_the_runtime_allocated_against_their_pool_and_no_other(model):
     a, b = FakePool(), FakePool()
     rt = CedarRuntime(model, ServingFlags(), torch.device("cpu"))
     assert runtime_for(a) is None
-    rt.allocate(512, 4, CFG.page_size, sglang_pool=a)
+    rt.allocate(512, table(), CFG.page_size, sglang_pool=a)
     assert runtime_for(a) is rt and runtime_for(b) is None and runtime_for(None) is None
     assert not hasattr(a, "cedar_model") and vars(a) == {}  # nothing hung on SGLang's object
     del rt
@@ -45,7 +50,7 @@ def test_hooks_find_the_runtime_allocated_against_their_pool_and_no_other(model)
 def test_page_size_that_is_not_a_multiple_is_refused(model):
     rt = CedarRuntime(model, ServingFlags(), torch.device("cpu"))
     with pytest.raises(ValueError, match="--page-size"):
-        rt.allocate(512, 4, CFG.page_size + 1)
+        rt.allocate(512, table(), CFG.page_size + 1)
 
 
 def test_step_before_allocation_fails_loudly(model):
@@ -54,18 +59,52 @@ def test_step_before_allocation_fails_loudly(model):
         rt.write_ids(torch.tensor([2]), torch.tensor([5]))
 
 
+def test_a_chunk_too_small_for_the_replay_rows_is_refused_at_allocation(model):
+    rt = CedarRuntime(model, ServingFlags(), torch.device("cpu"))
+    need = CFG.sliding_window + CFG.page_size
+    with pytest.raises(ValueError, match=f"serve with at least {need}"):
+        rt.allocate(512, table(), CFG.page_size, chunked_prefill_size=need - 1)
+    rt.allocate(512, table(), CFG.page_size, chunked_prefill_size=need)
+    assert rt.pools is not None and rt.slots.num_slots == 4
+
+
 def test_request_facts_are_consumed_once_per_chunk_and_a_new_request_drops_stale_ones(model):
     rt = CedarRuntime(model, ServingFlags(), torch.device("cpu"))
-    rt.allocate(512, 4, CFG.page_size)
-    rt.note_request(1, 0, RequestInfo(final_chunk=False))
-    rt.note_request(1, 64, RequestInfo(final_chunk=True, prompt_logprobs=True))  # its next chunk, noted early
-    assert rt._take_facts(1, 0) == RequestInfo(final_chunk=False)
-    assert rt._take_facts(1, 0) == RequestInfo()  # consumed: the default (a final chunk)
-    rt.note_request(2, 0, RequestInfo(final_chunk=False))
-    rt.note_request(2, 128, RequestInfo(final_chunk=False))
-    rt.note_request(2, 0, RequestInfo(prompt_logprobs=True))  # slot 2 aborted, a new request took it
+    rt.allocate(512, table(), CFG.page_size)
+    rt.note_request(1, 0, "a", RequestInfo(final_chunk=False))
+    rt.note_request(1, 64, "a", RequestInfo(final_chunk=True, prompt_logprobs=True))  # its next chunk, noted early
+    assert rt._take_facts(1, 0, "a") == RequestInfo(final_chunk=False)
+    assert rt._take_facts(1, 0, "a") == RequestInfo()  # consumed: the default (a final chunk)
+    rt.note_request(2, 0, "b", RequestInfo(final_chunk=False))
+    rt.note_request(2, 128, "b", RequestInfo(final_chunk=False))
+    rt.note_request(2, 0, "c", RequestInfo(prompt_logprobs=True))  # b aborted, c took slot 2
     assert set(rt._facts) == {(1, 64), (2, 0)}
-    assert rt._take_facts(1, 64).prompt_logprobs and rt._take_facts(2, 0).prompt_logprobs
+    assert rt._take_facts(1, 64, "a").prompt_logprobs and rt._take_facts(2, 0, "c").prompt_logprobs
+    # an aborted request's facts go even when the next request of its slot starts at a cache hit
+    rt.note_request(3, 0, "d", RequestInfo(final_chunk=False))
+    rt.note_request(3, 64, "d", RequestInfo(final_chunk=False))
+    rt.note_request(3, 128, "e", RequestInfo(prompt_logprobs=True))  # d aborted, e admitted at a hit
+    assert set(rt._facts) == {(3, 128)}
+    rt.note_request(0, 64, "f", RequestInfo(final_chunk=False))
+    assert rt._take_facts(0, 64, "g") == RequestInfo()  # another request's facts are never taken
+    assert set(rt._facts) == {(3, 128)}
+
+
+def test_admission_charges_replay_rows_and_clamps_a_lone_request_to_the_budget(model):
+    """A hit charges min(W, hit) replay rows; a request over the rows left runs alone, charged
+    what is left (an exact replay of a long prefix), never refused for ever."""
+    W, P = CFG.sliding_window, CFG.page_size
+    rt = CedarRuntime(model, ServingFlags(), torch.device("cpu"))
+    assert rt.admission_replay_rows(4 * W, None) == 0  # not allocated: nothing to charge
+    rt.allocate(4096, table(), P)
+    assert rt.admission_replay_rows(0, None) == 0
+    assert rt.admission_replay_rows(4 * W, None) == W
+    assert rt.admission_replay_rows(4 * W, None, budget=10 * W, page_size=P, alone=True) == W
+    exact = CedarRuntime(model, ServingFlags(replay="exact"), torch.device("cpu"))
+    exact.allocate(4096, table(), P)
+    assert exact.admission_replay_rows(4 * W, None) == 4 * W
+    assert exact.admission_replay_rows(4 * W, None, budget=2 * W, page_size=P, alone=True) == 2 * W - P
+    assert exact.admission_replay_rows(4 * W, None, budget=2 * W, page_size=P, alone=False) == 4 * W
 
 
 def test_scheduler_facts_reach_the_planner_through_the_step(model):
@@ -116,14 +155,19 @@ def test_the_forward_step_is_written_once():
 
 
 def test_hooks_hang_nothing_on_sglang_objects():
-    """The hook modules write no attribute of an SGLang object except SGLang's own sampling
-    seed fields (seed_hooks) and a structure's schema (tool_call_hooks): no side channel."""
-    allowed = {"info.sampling_seed", "self.sampling_seed", "other.sampling_seed", "structure.schema_"}
+    """The hook modules, the model class and the frontend write no attribute of an SGLang object
+    except SGLang's own sampling seed fields (seed_hooks), a structure's schema (tool_call_hooks)
+    and the logits output's ``customized_info``: no side channel."""
+    allowed = {"info.sampling_seed", "self.sampling_seed", "other.sampling_seed", "structure.schema_",
+               "out.customized_info"}  # NOTE: SGLang's field for a model's per-request meta info
     written = []
-    for name in ("sglang_hooks", "tool_call_hooks", "seed_hooks"):
-        tree = ast.parse((ROOT / "backend" / "serving" / f"{name}.py").read_text())
-        for node in ast.walk(tree):
+    hooks = [ROOT / "backend" / "serving" / f"{name}.py" for name in ("sglang_hooks", "tool_call_hooks", "seed_hooks")]
+    # NOTE: in the model class and the frontend, ``self`` is Cedar's own object (a subclass at most)
+    others = [ROOT / "backend" / "serving" / "served_model.py"] + sorted((ROOT / "frontend").glob("*.py"))
+    for path in hooks + others:
+        for node in ast.walk(ast.parse(path.read_text())):
             targets = node.targets if isinstance(node, ast.Assign) else \
                 [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
-            written += [ast.unparse(t) for t in targets if isinstance(t, ast.Attribute)]
+            written += [ast.unparse(t) for t in targets if isinstance(t, ast.Attribute)
+                        and (path in hooks or ast.unparse(t.value) != "self")]
     assert set(written) <= allowed, set(written) - allowed

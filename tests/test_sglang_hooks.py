@@ -32,7 +32,7 @@ TOOL_CALL_PARAMS = {
     "effective_tools": ["self", "request"],
     "legacy_tag": ["self", "at_least_one"],
 }
-EXECUTOR_PARAMS = {"executor_del": ["self"]}
+EXECUTOR_PARAMS = {"executor_del": ["self"], "state_del": ["self"]}
 SEED_PARAMS = {"seed_batch": ["cls", "batch", "vocab_size"], "seed_merge": ["self", "other"],
                "seeded_draw": ["logprobs", "seed", "positions"]}
 ALL_TARGETS = {**{("serving", k): v for k, v in sglang_hooks.TARGETS.items()},
@@ -145,7 +145,8 @@ def test_seeded_draw_on_cpu_is_the_kernels_hash():
 
 
 # What the hook bodies read on SGLang objects besides the targets' parameters, read off the
-# bodies in sglang_hooks.py, tool_call_hooks.py and seed_hooks.py: class -> attributes. A version
+# bodies in sglang_hooks.py, tool_call_hooks.py and seed_hooks.py, and what the runtime and the
+# model class read off a ForwardBatch and the logits output: class -> attributes. A version
 # bump that renames one would otherwise surface as an AttributeError (or a silently skipped
 # `getattr(..., None)` branch) inside a running server.
 S = "sglang.srt."
@@ -157,19 +158,25 @@ READ_ATTRS = {
     S + "model_executor.model_runner.ModelRunner": [
         "model", "page_size", "token_to_kv_pool", "req_to_token_pool", "max_total_num_tokens"],
     S + "mem_cache.memory_pool.KVCache": ["size"],
-    S + "mem_cache.memory_pool.ReqToTokenPool": ["req_to_token"],
+    S + "mem_cache.memory_pool.ReqToTokenPool": ["req_to_token", "size", "free_slots"],
     # around_replay_len
     S + "managers.schedule_policy.PrefillAdder": ["tree_cache", "rem_chunk_tokens", "can_run_list", "page_size"],
     # around_replay_len, after_checkpoint, before_release (tree_cache.req_to_token_pool)
-    S + "mem_cache.unified_radix_cache.UnifiedRadixCache": ["req_to_token_pool", "prefix_device_indices"],
+    S + "mem_cache.unified_radix_cache.UnifiedRadixCache": ["req_to_token_pool", "prefix_device_indices",
+                                                             "protected_size"],
     # after_init_new, before_release, after_checkpoint, after_state, seed hooks
     S + "managers.schedule_batch.Req": [
         "rid", "prefix_len", "kv", "finished", "extend_end", "full_untruncated_fill_ids", "return_logprob",
         "logprob_start_len", "origin_input_ids", "sampling_params"],
     S + "managers.schedule_batch.ReqKvInfo": ["holds_kv", "req_pool_idx", "cache_protected_len"],
-    S + "managers.schedule_batch.ScheduleBatch": ["reqs", "decoding_reqs"],
-    S + "model_executor.forward_batch_info.ForwardBatch": ["forward_mode"],
-    S + "model_executor.forward_batch_info.ForwardMode": ["is_extend"],
+    S + "managers.schedule_batch.ScheduleBatch": ["reqs", "decoding_reqs", "forward_mode"],
+    S + "model_executor.forward_batch_info.ForwardMode": ["is_extend", "is_decode", "is_idle"],
+    # runtime.CedarRuntime.forward and StepInput.of (the ForwardBatch SGLang's model class gets)
+    S + "model_executor.forward_batch_info.ForwardBatch": [
+        "forward_mode", "out_cache_loc", "seq_lens_cpu", "batch_size", "extend_prefix_lens_cpu",
+        "extend_seq_lens_cpu", "req_pool_indices_cpu", "req_pool_indices", "rids"],
+    # served_model: the logits output's per-request meta channel
+    S + "layers.logits_processor.LogitsProcessorOutput": ["customized_info"],
     # before_validate, around_set_state
     S + "managers.tokenizer_manager.TokenizerManager": ["model_config"],
     S + "managers.io_struct.GenerateReqInput": [
@@ -177,7 +184,14 @@ READ_ATTRS = {
     S + "managers.io_struct.SetInternalStateReq": ["server_args"],
     # after_state, after_handlers
     S + "managers.scheduler_components.internal_state.SchedulerInternalStateController": ["scheduler"],
-    S + "managers.scheduler.Scheduler": ["tp_worker", "running_batch"],
+    S + "managers.scheduler.Scheduler": [
+        "tp_worker", "running_batch", "pool_stats_observer", "invariant_checker", "max_total_num_tokens",
+        "tree_cache", "req_to_token_pool"],
+    # after_state's pool figures (_scheduler_pools)
+    S + "managers.scheduler_components.pool_stats_observer.SchedulerPoolStatsObserver": [
+        "get_pool_stats", "session_held_tokens"],
+    S + "managers.scheduler_components.pool_stats_observer.PoolStats": ["full_available_size", "full_evictable_size"],
+    S + "managers.scheduler_components.invariant_checker.SchedulerInvariantChecker": ["_get_total_uncached_sizes"],
     S + "managers.tp_worker.TpModelWorker": ["model_runner"],
     S + "managers.io_struct.GetInternalStateReqOutput": ["internal_state"],
     # tool_call_hooks
@@ -359,3 +373,41 @@ def test_the_frontend_fix_refuses_another_sglang_version(monkeypatch):
     monkeypatch.setattr(sglang, "__version__", "0.0.1")
     with pytest.raises(RuntimeError, match="written for sglang"):
         executor_fix.install()
+
+
+def sglang_internals_by_module() -> dict[str, set[str]]:
+    """Every SGLang internal a Cedar module imports (``sglang.<module>.<name>``; the package's
+    public API, ``import sglang`` and ``from sglang import ...``, is not internal) -> the Cedar
+    files that import it."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    found: dict[str, set[str]] = {}
+    for layer in ("kernels", "backend", "frontend", "agents", "training", "drivers", "cli"):
+        for path in sorted((root / layer).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sglang."):
+                    names = [f"{node.module}.{a.name}" for a in node.names]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names if a.name.startswith("sglang.")]
+                else:
+                    continue
+                for name in names:
+                    found.setdefault(name, set()).add(str(path.relative_to(root)))
+    return found
+
+
+def test_each_sglang_internal_is_reached_from_one_cedar_module():
+    """No SGLang internal is imported by two Cedar modules, and only the seam touches SGLang's
+    hook registry (the hook modules declare tables; ``seam.register`` installs them)."""
+    found = sglang_internals_by_module()
+    assert found["sglang.srt.plugins.hook_registry.HookRegistry"] == {"backend/serving/seam.py"}
+    shared = {name: sorted(files) for name, files in found.items() if len(files) > 1}
+    assert not shared, shared
+
+
+def test_the_internals_scan_sees_imports():
+    found = sglang_internals_by_module()
+    assert found["sglang.srt.function_call.hermes_detector.HermesDetector"] == {"backend/serving/tool_call_parser.py"}
+    assert not any(name in ("sglang", "sglang.function") for name in found)  # the public API is not counted

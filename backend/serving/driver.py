@@ -1,7 +1,8 @@
 """SGLang's side of a forward stood in for, driving a :class:`~.runtime.CedarRuntime` in process:
-its request-to-token table by a plain tensor and its paged allocator by a counter (page 0 is
-padding, as in SGLang). The runtime, and so the step, is the one SGLang's model class calls:
-only the scheduler around it is a stand-in. Used by the GPU check (no SGLang there) and by the
+its request-to-token table by a plain tensor, its paged allocator by a counter (page 0 is
+padding, as in SGLang) and its ForwardBatch by :class:`HostBatch` (the fields the runtime reads).
+The runtime's ``forward``, and so the step, is the one SGLang's model class calls: only the
+scheduler around it is a stand-in. Used by the GPU check (no SGLang there) and by the
 tests' harness (``tests/serving_harness.py``) for bookkeeping tests; end-to-end tests use the
 real server."""
 
@@ -12,7 +13,40 @@ from dataclasses import dataclass, field
 import torch
 
 from .planner import RequestInfo, ServingFlags
-from .runtime import CedarRuntime, StepInput, StepOutput
+from .runtime import CedarRuntime, StepOutput
+
+
+@dataclass(frozen=True)
+class Mode:
+    """SGLang's ForwardMode, as far as the runtime asks it."""
+
+    decode: bool
+
+    def is_decode(self) -> bool:
+        return self.decode
+
+    def is_idle(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True)
+class HostBatch:
+    """A ForwardBatch's fields the runtime reads (``StepInput.of`` and ``CedarRuntime.forward``);
+    the drift test pins them on SGLang's class. out_cache_loc: (rows,) int64, the scheduled rows'
+    token slots; seq_lens_cpu, extend_*: per request, on the host."""
+
+    forward_mode: Mode
+    rids: list[str]
+    req_pool_indices_cpu: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    extend_prefix_lens_cpu: list[int]
+    extend_seq_lens_cpu: list[int]
+    out_cache_loc: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rids)
 
 
 @dataclass
@@ -31,9 +65,9 @@ class Driver:
                  max_len: int = 4096, device="cpu") -> None:
         self.model, self.cfg, self.device = model, model.cfg, torch.device(device)
         self.rt = CedarRuntime(model, flags, self.device)
-        self.rt.allocate(num_slots, num_reqs, self.cfg.page_size)
-        self.rt.snapshots = None  # NOTE: a caller passes its own store to each step
         self.req_to_token = torch.zeros(num_reqs, max_len, dtype=torch.int32, device=self.device)
+        self.rt.allocate(num_slots, self.req_to_token, self.cfg.page_size)
+        self.rt.snapshots = None  # NOTE: a caller passes its own store to each step
         self.next_slot = self.cfg.page_size  # page 0 is padding, as in SGLang
 
     @property
@@ -63,9 +97,9 @@ class Driver:
             raise RuntimeError(f"the driver ran out of token slots ({self.pools.num_slots})")
         return out
 
-    def prepare(self, batch: list[tuple[Req, int]], kind: str | None = None) -> tuple[StepInput, torch.Tensor]:
-        """SGLang's side of a forward: slots allocated, its table and the pool's token ids written.
-        batch: (request, rows to schedule now). Returns the step's host facts and input ids."""
+    def prepare(self, batch: list[tuple[Req, int]], kind: str | None = None) -> tuple[HostBatch, torch.Tensor]:
+        """SGLang's side of a forward: slots allocated, its table written. batch: (request, rows to
+        schedule now). Returns the forward batch (its host facts) and the input ids."""
         rids, slots, prefix, ext, ids, new_all = [], [], [], [], [], []
         for req, n in batch:
             H = len(req.token_slots)
@@ -75,9 +109,12 @@ class Driver:
             rids.append(req.rid); slots.append(req.slot); prefix.append(H); ext.append(n)
             ids += req.ids[H:H + n]; new_all += new
         input_ids = torch.tensor(ids, device=self.device)
-        self.rt.write_ids(torch.tensor(new_all, device=self.device), input_ids)
         kind = kind or ("decode" if all(n == 1 and p > 0 for p, n in zip(prefix, ext)) else "extend")
-        return StepInput(kind, rids, slots, prefix, ext, self.req_to_token), input_ids
+        req_slots = torch.tensor(slots)
+        fb = HostBatch(Mode(kind == "decode"), rids, req_slots, req_slots.to(self.device),
+                       torch.tensor([p + n for p, n in zip(prefix, ext)]), prefix, ext,
+                       torch.tensor(new_all, device=self.device))
+        return fb, input_ids
 
     @torch.no_grad()
     def run(self, batch: list[tuple[Req, int]], infos: list[RequestInfo] | None = None, flags=None,
@@ -87,10 +124,10 @@ class Driver:
         if flags is not None:
             self.rt.flags = flags
         self.rt.snapshots = snapshots
-        inp, input_ids = self.prepare(batch)
-        for (req, _), p, info in zip(batch, inp.prefix_lens, infos or [RequestInfo()] * len(batch)):
-            self.rt.note_request(req.slot, p, info)
-        return self.rt.step(input_ids, inp)
+        fb, input_ids = self.prepare(batch)
+        for (req, _), p, info in zip(batch, fb.extend_prefix_lens_cpu, infos or [RequestInfo()] * len(batch)):
+            self.rt.note_request(req.slot, p, req.rid, info)
+        return self.rt.forward(input_ids, fb)
 
     def last_logits(self, out: StepOutput, batch: list[tuple[Req, int]]) -> torch.Tensor:
         """Each request's last scheduled row's logits, (B, V) f32."""

@@ -3,28 +3,18 @@ and snapshot invariants (:func:`slot_integrity`).
 
 Pools: every token slot is free, cached in the radix tree
 (evictable), protected by a running request's prefix, or private to a running request; every
-request slot is free or held. Read through SGLang 0.5.23's own pool-stats observer and
-invariant checker (pinned with the hooks in :mod:`sglang_hooks`)."""
+request slot is free or held. The figures are read through SGLang 0.5.23's own pool-stats
+observer and invariant checker by the state hook (:mod:`sglang_hooks`, where those reads are
+pinned by the drift test); this module only judges them."""
 
 from __future__ import annotations
 
 
-def pool_integrity(scheduler) -> dict:
-    ps = scheduler.pool_stats_observer.get_pool_stats()
-    in_use, _ = scheduler.invariant_checker._get_total_uncached_sizes()
-    tokens = {
-        "total": int(scheduler.max_total_num_tokens),
-        "free": int(ps.full_available_size),
-        "cached": int(ps.full_evictable_size),
-        "protected": int(scheduler.tree_cache.protected_size()),
-        "in_use": int(in_use),
-        "session_held": int(scheduler.pool_stats_observer.session_held_tokens()),
-    }
+def pool_integrity(tokens: dict[str, int], request_slots: dict[str, int]) -> dict:
+    """SGLang's accounting judged: tokens {total, free, cached, protected, in_use, session_held}
+    must add up to the total. The figures are read off the scheduler by the state hook."""
     accounted = sum(v for k, v in tokens.items() if k != "total")
-    rtp = scheduler.req_to_token_pool
-    requests = {"total": int(rtp.size), "free": len(rtp.free_slots),
-                "running": len(scheduler.running_batch.reqs) if scheduler.running_batch else 0}
-    return {"tokens": tokens, "tokens_ok": accounted == tokens["total"], "request_slots": requests}
+    return {"tokens": tokens, "tokens_ok": accounted == tokens["total"], "request_slots": request_slots}
 
 
 def slot_integrity(slots, snapshots, running: dict[int, str] | None = None) -> list[str]:

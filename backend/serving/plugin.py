@@ -28,8 +28,7 @@ import os
 def register() -> None:
     if os.environ.get("CEDAR_SGLANG_PLUGIN") != "1":
         return
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
+    from . import seam
     from .hf_config import register_auto_config
     from .sglang_hooks import hook_status, install, missing_hooks_message
 
@@ -38,7 +37,7 @@ def register() -> None:
         install()
     except Exception as e:  # SGLang's loader would log it and carry on
         raise SystemExit(f"cedar: installing the SGLang hooks failed: {e}") from e
-    HookRegistry.apply_hooks()
+    seam.apply()
     problem = missing_hooks_message(hook_status())
     if problem is not None:
         raise SystemExit(problem)

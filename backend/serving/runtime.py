@@ -14,12 +14,14 @@ class ask of Cedar is a method here, and nothing here imports SGLang:
 | ``UnifiedRadixCache.checkpoint_into_tree`` hook | :meth:`on_request_inserted` (re-key it) |
 | ``/set_internal_state`` (handlers hook) | :meth:`set_switch` |
 | ``/get_server_info`` (state hook) | :meth:`internal_state` |
-| ``CedarForCausalLM.forward`` (SGLang's model class) | :meth:`step` |
+| ``CedarForCausalLM.forward`` (SGLang's model class) | :meth:`forward` (a ForwardBatch) |
 
-:meth:`step` is the one forward step: the per-request replay prepass (a benchmark switch), the
-plan, :func:`served_step` (keys from the pools, the layers, the commit) and the stats. SGLang's
-model class, the GPU check and the tests' harness all call it, so a test exercises the code
-SGLang runs.
+:meth:`forward` reads a ForwardBatch's host facts (:meth:`StepInput.of`; the only place Cedar
+reads one) and runs :meth:`step`, the one forward step: the per-request replay prepass (a
+benchmark switch), the plan, :func:`served_step` (keys from the pools, the layers, the commit)
+and the stats. SGLang's model class and the tests' harness (``driver.py``, which hands it a
+stand-in with a ForwardBatch's fields) both call :meth:`forward`, so a test exercises the code
+SGLang runs, the ForwardBatch's reading included.
 
 How a hook finds its runtime: the model runner's hooks read it off the model
 (``model_runner.model.runtime``); the tree-cache hooks, which see only SGLang's request-to-token
@@ -44,6 +46,7 @@ the request), and folds those rows into the batch's one forward itself (:mod:`pl
 from __future__ import annotations
 
 import dataclasses
+import logging
 import weakref
 from dataclasses import dataclass
 
@@ -61,6 +64,8 @@ from .prepass import replay_prepass
 from .snapshots import SnapshotStore
 from .stats import ServingStats
 from .step import served_step
+
+logger = logging.getLogger(__name__)
 
 # runtime switches for /set_internal_state (0/1): benchmarks and tests flip modes in one server
 SWITCHES = {
@@ -97,6 +102,17 @@ class StepInput:
     extend_lens: list[int]
     req_to_token: Tensor
 
+    @classmethod
+    def of(cls, fb, req_to_token: Tensor) -> "StepInput":
+        """The facts of SGLang's ForwardBatch ``fb`` (a decode or extend batch): its rids, request
+        slots and, per request, the rows already cached and the rows scheduled now."""
+        if fb.forward_mode.is_decode():
+            kind, prefix, ext = "decode", (fb.seq_lens_cpu - 1).tolist(), [1] * fb.batch_size
+        else:
+            kind, prefix, ext = "extend", list(fb.extend_prefix_lens_cpu), list(fb.extend_seq_lens_cpu)
+        slots = fb.req_pool_indices_cpu if fb.req_pool_indices_cpu is not None else fb.req_pool_indices
+        return cls(kind, list(fb.rids), slots.tolist(), prefix, ext, req_to_token)
+
 
 @dataclass(frozen=True)
 class StepOutput:
@@ -106,6 +122,7 @@ class StepOutput:
     hidden: Tensor
     decoded: Tensor
     plan: ServedForward
+    kind: str = "extend"  # "decode" | "extend", as the step's input
 
 
 _LIVE: "weakref.WeakSet[CedarRuntime]" = weakref.WeakSet()
@@ -128,29 +145,43 @@ class CedarRuntime:
         self.snapshots: SnapshotStore | None = None
         self.stats = ServingStats()
         self.sglang_pool = None  # the SGLang request-to-token pool this runtime was allocated against
-        # NOTE: per-request facts of the scheduler, keyed by (request slot, prefix length): the
-        # forward batch SGLang hands the model is not always the object its init_new built, and
-        # with overlap scheduling a slot's next chunk can be noted before this one runs. A slot's
-        # entries go when a new request claims it (prefix 0) and when they are consumed, so
-        # the table is bounded by request slots x chunks in flight.
-        self._facts: dict[tuple[int, int], RequestInfo] = {}
+        self.req_to_token: Tensor | None = None  # its table: (request slots, max len) int32
+        # NOTE: per-request facts of the scheduler, keyed by (request slot, prefix length), each
+        # with the rid that noted it: the forward batch SGLang hands the model is not always the
+        # object its init_new built, and with overlap scheduling a slot's next chunk can be noted
+        # before this one runs. A slot's entries of another rid go when a request notes one (an
+        # aborted request's, whatever prefix the new one starts at), and an entry goes when it is
+        # consumed, so the table holds at most the chunks in flight of one request per slot.
+        self._facts: dict[tuple[int, int], tuple[str, RequestInfo]] = {}
 
     # ------------------------------------------------------------------ pools
-    def allocate(self, num_token_slots: int, num_request_slots: int, page_size: int,
+    def allocate(self, num_token_slots: int, req_to_token: Tensor, page_size: int,
+                 chunked_prefill_size: int | None = None, budget_tokens: int | None = None,
                  sglang_pool=None) -> dict:
-        """Size Cedar's pools from SGLang's (token slots, request slots, page size); remember
-        SGLang's request-to-token pool so the tree-cache hooks find this runtime."""
+        """Size Cedar's pools from SGLang's: token slots, its request-to-token table ((request
+        slots, max len) int32, read by every step) and page size. Refuses a prefill chunk that
+        cannot hold a hit's replay rows. Remembers SGLang's request-to-token pool (an opaque
+        handle) so the tree-cache hooks find this runtime."""
         if page_size % self.cfg.page_size:
             raise ValueError(f"SGLang page size {page_size} is not a multiple of the model's "
                              f"{self.cfg.page_size} (serve with --page-size {self.cfg.page_size})")
+        need = self.cfg.sliding_window + page_size
+        if chunked_prefill_size is not None and 0 < chunked_prefill_size < need:
+            raise ValueError(f"--chunked-prefill-size {chunked_prefill_size} leaves no room for a hit's "
+                             f"{self.cfg.sliding_window} replay rows: serve with at least {need}")
         self.pools = TokenPools(self.cfg, num_token_slots, self.device)
-        self.slots = RequestSlots(self.cfg, num_request_slots, self.device)
+        self.slots = RequestSlots(self.cfg, req_to_token.shape[0], self.device)
         self.snapshots = SnapshotStore(int(self.flags.snapshot_mb * 2**20)) if self.flags.snapshot_mb > 0 else None
+        self.req_to_token = req_to_token
         self._facts.clear()
         if sglang_pool is not None:
             self.sglang_pool = sglang_pool
             _LIVE.add(self)
-        return self.memory_figures()
+        figures = self.memory_figures()
+        if budget_tokens is not None:
+            logger.info("cedar memory: SGLang budgets %d B/token for %d tokens; SWA %d B/request; pools %s",
+                        figures["budget_bytes_per_token"], budget_tokens, figures["swa_bytes_per_request"], figures)
+        return figures
 
     def memory_figures(self) -> dict:
         report = memory_report(self.cfg)
@@ -177,22 +208,31 @@ class CedarRuntime:
             raise RuntimeError("cedar pools were not allocated: the SGLang plugin hooks are not active")
 
     # ------------------------------------------------------------------ admission and facts
-    def admission_replay_rows(self, hit: int, prefix_slots: Tensor | None) -> int:
+    def admission_replay_rows(self, hit: int, prefix_slots: Tensor | None, budget: int | None = None,
+                              page_size: int = 0, alone: bool = False) -> int:
         """Replay rows SGLang's prefill budget must charge a request admitted at a prefix hit of
-        ``hit`` tokens; see planner.admission_replay_rows."""
+        ``hit`` tokens (see planner.admission_replay_rows). budget: the rows left in this prefill
+        (SGLang's ``rem_chunk_tokens``; None: unbounded); alone: no other request is admitted yet."""
         if self.pools is None:
             return 0
-        return admission_replay_rows(self.cfg, self.flags, self.pools, self.snapshots, hit, prefix_slots)
+        rows = admission_replay_rows(self.cfg, self.flags, self.pools, self.snapshots, hit, prefix_slots)
+        if rows and budget is not None and alone and rows > budget - page_size:
+            # NOTE: only `--replay exact` (the whole prefix, a reference mode) gets here (allocate
+            # keeps the chunk above W + a page): such a request runs alone, over the budget,
+            # rather than never.
+            return max(budget - page_size, 0)
+        return rows
 
-    def note_request(self, slot: int, prefix_len: int, info: RequestInfo) -> None:
-        """What the scheduler knows of a request's next chunk and the forward does not carry."""
-        if prefix_len == 0:  # a new request in this slot: an aborted one's facts go
-            for key in [k for k in self._facts if k[0] == slot]:
-                del self._facts[key]
-        self._facts[(slot, prefix_len)] = info
+    def note_request(self, slot: int, prefix_len: int, rid: str, info: RequestInfo) -> None:
+        """What the scheduler knows of request ``rid``'s next chunk (starting at ``prefix_len``
+        in request slot ``slot``) and the forward does not carry."""
+        for key in [k for k, (owner, _) in self._facts.items() if k[0] == slot and owner != rid]:
+            del self._facts[key]  # an earlier request of this slot (aborted before it ran)
+        self._facts[(slot, prefix_len)] = (rid, info)
 
-    def _take_facts(self, slot: int, prefix_len: int) -> RequestInfo:
-        return self._facts.pop((slot, prefix_len), RequestInfo())
+    def _take_facts(self, slot: int, prefix_len: int, rid: str) -> RequestInfo:
+        owner, info = self._facts.pop((slot, prefix_len), (rid, RequestInfo()))
+        return info if owner == rid else RequestInfo()
 
     # ------------------------------------------------------------------ release and checkpoint
     def on_request_finished(self, slot: int, rid: str) -> bool:
@@ -213,11 +253,16 @@ class CedarRuntime:
         """Flip one runtime switch (a key of SWITCHES)."""
         self.flags = dataclasses.replace(self.flags, **SWITCHES[key](bool(on)))
 
-    def internal_state(self, running: dict[int, str]) -> dict:
-        """Cedar's part of /get_server_info. running: request slot -> rid of running requests."""
+    def internal_state(self, running: dict[int, str], sglang_pools: dict | None = None,
+                       hooks: list[dict] | None = None) -> dict:
+        """Cedar's part of /get_server_info. running: request slot -> rid of running requests;
+        sglang_pools: SGLang's own pool accounting, judged (integrity.pool_integrity); hooks: the
+        hook targets and whether each is installed."""
         state = dict(self.memory_figures())
         broken = slot_integrity(self.slots, self.snapshots, running) if self.slots is not None else []
-        state["integrity"] = {"slots_ok": not broken, "slots_broken": broken[:20]}
+        state["integrity"] = {**(sglang_pools or {}), "slots_ok": not broken, "slots_broken": broken[:20]}
+        if hooks is not None:
+            state["hooks"] = hooks
         state["replayed_tokens_total"] = self.stats.replayed_tokens
         state["forward_ms"] = self.stats.forward_summary()
         state["forward_rows_max"] = dict(self.stats.rows_max)
@@ -227,11 +272,21 @@ class CedarRuntime:
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
+    def forward(self, input_ids: Tensor, forward_batch) -> StepOutput | None:
+        """SGLang's model forward: one step over a ForwardBatch's scheduled rows (None for an idle
+        batch). input_ids: (sum(extend_lens),) int on the pools' device; SGLang has written the
+        rows' token slots (``out_cache_loc``) and its request-to-token table."""
+        if forward_batch.forward_mode.is_idle() or input_ids.numel() == 0:
+            return None
+        self.write_ids(forward_batch.out_cache_loc, input_ids)
+        return self.step(input_ids, StepInput.of(forward_batch, self.req_to_token))
+
+    @torch.no_grad()
     def step(self, input_ids: Tensor, inp: StepInput) -> StepOutput:
         """One forward of SGLang's scheduled rows. input_ids: (sum(extend_lens),) int on the pools'
         device; the pools' token ids of the scheduled slots are already written (:meth:`write_ids`)."""
         self._ensure_pools()
-        infos = [self._take_facts(s, p) for s, p in zip(inp.req_slots, inp.prefix_lens)]
+        infos = [self._take_facts(s, p, r) for s, p, r in zip(inp.req_slots, inp.prefix_lens, inp.rids)]
         if self.flags.replay_per_request:
             for pre in replay_prepass(self.model, self.flags, self.slots, self.pools, inp.req_to_token,
                                       inp.rids, inp.req_slots, inp.prefix_lens, self.snapshots):
@@ -240,7 +295,7 @@ class CedarRuntime:
                             inp.req_slots, inp.prefix_lens, inp.extend_lens, input_ids, infos, self.snapshots)
         hidden, decoded = served_step(self.model, self.pools, self.slots, plan, input_ids.shape[0])
         self.stats.record(plan, inp.kind)
-        return StepOutput(hidden, decoded, plan)
+        return StepOutput(hidden, decoded, plan, inp.kind)
 
     def write_ids(self, token_slots: Tensor, input_ids: Tensor) -> None:
         """SGLang wrote the scheduled rows' K/V slots (``out_cache_loc``); record their token ids."""

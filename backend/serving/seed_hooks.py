@@ -99,9 +99,8 @@ def before_merge(self, other, *args, **kwargs):
     return None
 
 
-def install() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(TARGETS["seed_batch"], after_from_schedule_batch, HookType.AFTER)
-    HookRegistry.register(TARGETS["seed_merge"], before_merge, HookType.BEFORE)
-    HookRegistry.register(TARGETS["seeded_draw"], around_seeded_draw, HookType.AROUND)
+HOOKS = {
+    "seed_batch": (after_from_schedule_batch, "after"),
+    "seed_merge": (before_merge, "before"),
+    "seeded_draw": (around_seeded_draw, "around"),
+}

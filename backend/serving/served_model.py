@@ -2,8 +2,9 @@
 ``cedar.backend.sglang_models``).
 
 SGLang runs its own scheduler, radix tree and HTTP server around it. This class is the thin
-end SGLang calls: it loads the weights, reads the host facts of each ForwardBatch and hands them
-to its :class:`~.runtime.CedarRuntime` (``self.runtime``), which owns what SGLang has no notion
+end SGLang calls: it loads the weights and hands each ForwardBatch to its
+:class:`~.runtime.CedarRuntime` (``self.runtime.forward``, which reads the batch's host facts),
+which owns what SGLang has no notion
 of (the FP4 global rows per token slot, the private window state per request slot, snapshots,
 bounded replay) and runs the step; the logits go through SGLang's own LogitsProcessor. One
 ``forward`` = one batched pass over every request's rows (replay rows included; :mod:`planner`).
@@ -28,7 +29,7 @@ from cedar.kernels.dispatch import KernelSet
 from ..model import CEDModel
 from .hf_config import CedarHFConfig, ced_config_of
 from .planner import ServingFlags
-from .runtime import CedarRuntime, StepInput
+from .runtime import CedarRuntime
 
 
 def flags_from_config(hf_config) -> ServingFlags:
@@ -77,24 +78,12 @@ class CedarForCausalLM(nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: Tensor, positions: Tensor, forward_batch, input_embeds=None,
                 get_embedding: bool = False, pp_proxy_tensors=None):
-        from sglang.srt.model_executor.forward_context import get_req_to_token_pool
-
         t0 = time.perf_counter()
-        fb, rt = forward_batch, self.runtime
-        if fb.forward_mode.is_idle() or input_ids.numel() == 0:
-            hidden = torch.zeros(input_ids.shape[0], self.cfg.hidden_size, device=self.device)
-            return self.logits_processor(input_ids, hidden, self.lm_head, fb)
-        rt.write_ids(fb.out_cache_loc, input_ids)
-        kind = "decode" if fb.forward_mode.is_decode() else "extend"
-        if kind == "decode":
-            prefix = (fb.seq_lens_cpu - 1).tolist()
-            ext = [1] * fb.batch_size
-        else:
-            prefix, ext = list(fb.extend_prefix_lens_cpu), list(fb.extend_seq_lens_cpu)
-        slots = fb.req_pool_indices_cpu if fb.req_pool_indices_cpu is not None else fb.req_pool_indices
-        step = rt.step(input_ids, StepInput(kind, list(fb.rids), slots.tolist(), prefix, ext,
-                                            get_req_to_token_pool().req_to_token))
-        out = self.logits_processor(input_ids, step.hidden, self.lm_head, fb)
-        out.customized_info = rt.meta_info(step.plan)
-        rt.stats.time_forward(kind, time.perf_counter() - t0)
+        step = self.runtime.forward(input_ids, forward_batch)
+        hidden = step.hidden if step is not None else torch.zeros(input_ids.shape[0], self.cfg.hidden_size,
+                                                                    device=self.device)
+        out = self.logits_processor(input_ids, hidden, self.lm_head, forward_batch)
+        if step is not None:
+            out.customized_info = self.runtime.meta_info(step.plan)
+            self.runtime.stats.time_forward(step.kind, time.perf_counter() - t0)
         return out

@@ -13,6 +13,15 @@ import os
 META_KEYS = ("replayed_tokens", "restored_tokens")
 
 
+def collapse_counters(meta_info: dict) -> None:
+    """SGLang appends each step's ``customized_info`` to a response's meta_info; Cedar's counters
+    are cumulative, so the last value is the request's total (0 when none was reported)."""
+    for key in META_KEYS:
+        values = [v for v in (meta_info.get(key) or []) if v is not None]
+        if key in meta_info:
+            meta_info[key] = values[-1] if values else 0
+
+
 class ServingStats:
     def __init__(self) -> None:
         self.replayed_tokens = 0  # since start-up, all requests

@@ -163,11 +163,9 @@ def around_legacy_tag(original, self, at_least_one: bool = False, *args, **kwarg
     return tag
 
 
-def install() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(TARGETS["structural_tag"], around_structural_tag, HookType.AROUND)
-    HookRegistry.register(TARGETS["json"], around_json, HookType.AROUND)
-    HookRegistry.register(TARGETS["effective_tools"], after_effective_tools, HookType.AFTER)
-    HookRegistry.register(TARGETS["legacy_tag"], around_legacy_tag, HookType.AROUND)
-    tool_call_parser.register()
+HOOKS = {
+    "structural_tag": (around_structural_tag, "around"),
+    "json": (around_json, "around"),
+    "effective_tools": (after_effective_tools, "after"),
+    "legacy_tag": (around_legacy_tag, "around"),
+}
