@@ -16,7 +16,7 @@ from __future__ import annotations
 import sglang as sgl
 
 from cedar.frontend.chat import system_text
-from cedar.frontend.endpoint import label
+from cedar.frontend.endpoint import backend_of, label
 from cedar.frontend.session import Session
 
 from .parallel import parallel_step
@@ -42,7 +42,7 @@ def coding(s, instruction: str, box: Sandbox, max_turns: int = 8, parallel_hints
     label(s, name)
     session = Session(name)
     registry = box.tools()
-    delegate_tool(registry, s.stream_executor.backend, session.children, temperature=temperature,
+    delegate_tool(registry, backend_of(s), session.children, temperature=temperature,
                   prefix=f"{name}/sub")
     finish_tool(registry)
     s += sgl.system(system_text(SYSTEM, registry.openai_tools()))

@@ -12,7 +12,7 @@ import sglang as sgl
 
 from cedar.frontend.calls import gen_call
 from cedar.frontend.chat import system_text, tool, tool_call_text
-from cedar.frontend.endpoint import label
+from cedar.frontend.endpoint import label, sync
 from cedar.frontend.session import Session, Step
 from cedar.frontend.tools import ToolRegistry
 
@@ -27,7 +27,7 @@ def parallel_step(s, registry: ToolRegistry, var: str, hints: list[str], names: 
     s += "Thought: " + thought + "\n"
     # NOTE: SGLang prefills the shared prefix once before the branches only if the text is there
     # when `fork` looks (it checks before syncing the executor): sync first
-    s.stream_executor.sync()
+    sync(s)
     forks = s.fork(len(hints))
     for i, f in enumerate(forks):
         label(f, f"{name}/{i}")

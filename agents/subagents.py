@@ -18,7 +18,7 @@ import sglang as sgl
 from pydantic import Field
 
 from cedar.frontend.chat import message_text, system_text, tool
-from cedar.frontend.endpoint import label
+from cedar.frontend.endpoint import backend_of, executor_of, label
 from cedar.frontend.session import Session
 from cedar.frontend.tools import ToolRegistry
 
@@ -81,10 +81,10 @@ def fan_out(s, goal: str, subtasks: list, registry: ToolRegistry, child_steps: i
     finish_tool(parent_tools)
     s += sgl.system(system_text(PARENT_SYSTEM, parent_tools.openai_tools()))
     s += sgl.user(goal)
-    backend = s.stream_executor.backend
+    backend = backend_of(s)
     children_tools = child_registry(registry)
     if hasattr(backend, "prefill"):  # the children's common system message, once, before they run
-        backend.prefill(s.stream_executor, message_text("system", system_text(CHILD_SYSTEM, children_tools.openai_tools())))
+        backend.prefill(executor_of(s), message_text("system", system_text(CHILD_SYSTEM, children_tools.openai_tools())))
     states = subagent.run_batch(
         [dict(task=t, registry=children_tools, max_steps=child_steps, temperature=temperature,
               name=f"{name}/child{i}") for i, t in enumerate(subtasks)], backend=backend)

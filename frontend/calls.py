@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import sglang as sgl
 
 from .chat import CALL_HEAD, CALL_MID, CALL_TAIL, tool
+from .endpoint import executor_of
 from .tools import Observation, ToolRegistry
 
 
@@ -72,7 +73,7 @@ def _value(s, var: str) -> str:
     try:
         return s[var]
     except KeyError:
-        error = getattr(s.stream_executor, "error_", None)
+        error = getattr(executor_of(s), "error_", None)
         raise ConstrainedCallError(f"the constrained gen {var!r} failed: {error}") from None
 
 

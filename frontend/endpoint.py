@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
@@ -156,7 +157,7 @@ class CedarEndpoint(RuntimeEndpoint):
             self.ledger.record(text + obj["text"], prompt_ids + out_ids, is_output=bool(out_ids))
 
     def _log(self, s, meta: dict, carried: int, continues: bool, latency_s: float) -> None:
-        rec = RequestRecord(label=getattr(s, "cedar_label", None) or s.sid[:8],
+        rec = RequestRecord(label=_LABELS.get(s) or s.sid[:8],
                             prompt_tokens=int(meta.get("prompt_tokens", 0)),
                             cached_tokens=int(meta.get("cached_tokens", 0)),
                             replayed_tokens=int(meta.get("replayed_tokens", 0) or 0),
@@ -178,8 +179,26 @@ class CedarEndpoint(RuntimeEndpoint):
         return res.json()
 
 
+_LABELS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # executor -> its label
+
+
 def label(s, name: str) -> None:
-    """Name a program state (`s` inside an `@sgl.function`, or a fork) in the request records."""
-    executor = getattr(s, "stream_executor", s)
-    executor.cedar_label = name
+    """Name a program state (`s` inside an `@sgl.function`, or a fork) in the request records
+    (kept beside SGLang's executor, not on it)."""
+    _LABELS[executor_of(s)] = name
+
+
+def executor_of(s):
+    """SGLang's executor behind a program state (`s` inside an `@sgl.function`, or a fork)."""
+    return getattr(s, "stream_executor", s)
+
+
+def backend_of(s):
+    """The backend a program state runs on (a :class:`CedarEndpoint`, or the corpus's scripted one)."""
+    return executor_of(s).backend
+
+
+def sync(s) -> None:
+    """Wait until every request a program state has issued so far is answered."""
+    executor_of(s).sync()
 
