@@ -12,7 +12,7 @@ setup:
 	@bash scripts/setup.sh
 
 demo: setup
-	$(VENV)/bin/cedar demo --model $(MODEL)
+	$(PY) -m cedar.cli demo --model $(MODEL)
 
 test: setup
 	$(PY) -m pytest -q -ra tests

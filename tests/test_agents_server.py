@@ -79,6 +79,16 @@ def test_coding_session(checked_server, backend):
     unchanged = {name for name in EXAMPLE_TASK["files"]
                  if name not in touched and not any(st["tool"] == "run_python" for st in changers)}
     assert {n: files[n] for n in unchanged} == {n: EXAMPLE_TASK["files"][n] for n in unchanged}, changers
+    # and a file changed by one step only (no run_python, which could change anything) holds
+    # what it wrote: a write_file's whole content, an edit_file's replacement text
+    if not any(st["tool"] == "run_python" for st in changers):
+        for path in touched:
+            mine = [json.loads(st["arguments"]) | {"tool": st["tool"]} for st in changers
+                    if json.loads(st["arguments"]).get("path", "").removeprefix("./") == path]
+            if [m["tool"] for m in mine] == ["write_file"]:
+                assert files.get(path) == mine[0]["content"], (path, mine)
+            elif [m["tool"] for m in mine] == ["edit_file"] and mine[0]["new"]:
+                assert mine[0]["new"] in files.get(path, ""), (path, mine)
 
 
 def test_react_loop(checked_server, backend):

@@ -77,3 +77,34 @@ def test_every_cedar_import_resolves():
                 if importlib.util.find_spec(m) is None:
                     missing.append(f"{path.relative_to(ROOT)}: {m}")
     assert not missing, missing
+
+
+def test_each_cli_command_loads_only_its_own_layer():
+    """Every command in ``cedar.cli.COMMANDS`` is registered by its module (a fresh interpreter
+    each, no entry points), and loading it imports no layer above that module's: ``cedar serve``
+    does not import the trainer, the drivers or the agents."""
+    import json
+    import subprocess
+    import sys
+
+    from cedar.cli import COMMANDS
+
+    code = (
+        "import json, sys\n"
+        "from cedar.cli import build_parser\n"
+        "found = {}\n"
+        "for name in sys.argv[1:]:\n"
+        "    sub = next(a for a in build_parser(name)._actions if a.dest == 'command')\n"
+        "    found[name] = name in sub.choices\n"
+        "print(json.dumps([found, sorted({m.split('.')[1] for m in sys.modules if m.startswith('cedar.')})]))\n")
+    by_module: dict[str, list[str]] = {}
+    for name, (module, _) in COMMANDS.items():
+        by_module.setdefault(module, []).append(name)
+    for module, names in by_module.items():  # NOTE: one interpreter per module: its commands share it
+        done = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (module, done.stderr[-2000:])
+        found, layers = json.loads(done.stdout.strip().splitlines()[-1])
+        assert found == {name: True for name in names}, (module, found)
+        own = module.split(".")[1]
+        above = set(LAYERS[LAYERS.index(own) + 1:]) - {"cli"}
+        assert not set(layers) & above, (module, sorted(set(layers) & above))

@@ -85,6 +85,16 @@ def test_forced_calls_validate_and_stream_exactly(checked_server, client, case, 
     assert streamed[2] == plain[2] == "tool_calls"
 
 
+def test_none_returns_content_and_streams_it_exactly(checked_server, client):
+    """``tool_choice: none``: no call, streamed or not, and the same content both ways."""
+    messages = [{"role": "user", "content": "What is the weather in Paris? Answer in words."}]
+    complete(client, messages, "none", stream=False, max_tokens=32)
+    plain = complete(client, messages, "none", stream=False, max_tokens=32)
+    streamed = complete(client, messages, "none", stream=True, max_tokens=32)
+    assert plain[1] == streamed[1] == []
+    assert streamed[0] == plain[0] and plain[2] != "tool_calls"
+
+
 @pytest.mark.parametrize("strict", [False, True], ids=["not-strict", "strict"])
 def test_auto_returns_content_or_valid_calls(checked_server, client, strict):
     messages = [{"role": "user", "content": "Say hello, or call a tool if you must."}]
