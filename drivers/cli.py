@@ -315,7 +315,8 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
         tok_dir = Path(info["tokenizer_path"])
         sessions = token_sessions(texts, tok_dir)
         vocab = CEDConfig.load(tok_dir).vocab_size
-        react = [t for t in tasks if t.kind in ("react", "recall")][: args.tasks]
+        # NOTE: N of each kind: recall's value lies beyond 4W, where bounded replay could hurt
+        react = [t for kind in ("react", "recall") for t in [x for x in tasks if x.kind == kind][: args.tasks]]
         report = fidelity_report(srv, sessions, special_token_ids(tok_dir)[ROLE_MARKERS["assistant"]], vocab,
                                  args.per_bucket, tasks=react, seed=args.seed)
     report["command"] = "cedar " + " ".join(sys.argv[1:])
@@ -359,6 +360,6 @@ def register(sub) -> None:
     fid.add_argument("--plot", default=None)
     fid.add_argument("--seed", type=int, default=0)
     fid.add_argument("--per-bucket", type=int, default=12, help="cases per hit-length bucket")
-    fid.add_argument("--tasks", type=int, default=20, help="held-out ReAct/recall tasks run per mode (0: none)")
+    fid.add_argument("--tasks", type=int, default=20, help="held-out ReAct and recall tasks (N of each) run per mode (0: none)")
     fid.set_defaults(fn=_cmd_fidelity)
 
