@@ -47,10 +47,32 @@ def stages_table(chain: list[dict]) -> str:
             "|---|---|---|---|---|---|"]
     for i, st in enumerate(chain, 1):
         h = st.get("heldout") or {}
-        rows.append(f"| {i} | `{st['command']}` | {st['steps']} | {st['tokens_seen']:,} | {st['train_seconds'] / 60:.0f} | "
-                    f"{h.get('loss', float('nan')):.3f} / {h.get('assistant_loss', float('nan')):.3f} |")
+        minutes = f"{st['train_seconds'] / 60:.0f}" if st.get("train_seconds") is not None else "not recorded"
+        loss = (f"{h['loss']:.3f} / {h['assistant_loss']:.3f}" if "loss" in h else "- (not an agent-corpus stage)")
+        rows.append(f"| {i} | `{st['command']}` | {st['steps']} | {st['tokens_seen']:,} | {minutes} | {loss} |")
     notes = [f"- Stage {i}: {st['note']}" for i, st in enumerate(chain, 1) if st.get("note")]
     return "\n".join(rows + ([""] + notes if notes else []))
+
+
+def probes_table(probes: dict | None) -> str:
+    """The copy probes of the last eval (`cedar train`'s probes): repeat accuracy by gap, the
+    indexer's recall of the entry holding the target (against a random choice's), values by distance."""
+    if not probes:
+        return "No copy probes were recorded for this run."
+    gaps = list(probes["repeat"])
+    rows = [f"At step {probes.get('step', '?')}:", "","| gap (tokens) | " + " | ".join(gaps) + " |", "|---|" + "---|" * len(gaps),
+            "| repeat top-1 | " + " | ".join(f"{probes['repeat'][g]:.2f}" for g in gaps) + " |"]
+    for layer, rec in (probes.get("recall") or {}).items():
+        chance = probes.get("recall_chance", {}).get(layer, {})
+        rows.append(f"| indexer recall@k, {layer} / random | " + " | ".join(
+            f"{rec[g]:.2f} / {chance.get(g, float('nan')):.2f}" for g in gaps if g in rec) + " |")
+    value = probes.get("value") or {}
+    if value:
+        rows += ["", "| value distance (tokens) | " + " | ".join(value) + " |", "|---|" + "---|" * len(value),
+                 "| value tokens top-1 | " + " | ".join(f"{v:.2f}" for v in value.values()) + " |"]
+        if probes.get("value_exact"):
+            rows.append("| whole value right | " + " | ".join(f"{probes['value_exact'][d]:.2f}" for d in value) + " |")
+    return "\n".join(rows)
 
 
 def frac(n: int, d: int) -> str:
@@ -118,17 +140,26 @@ def main(model_dir: str, eval_json: str, fidelity_json: str) -> None:
     gold = gold_recall_distances(model_dir, recall.get("tasks", 10))
     chain = stages(tr)
     total_tokens = sum(st["tokens_seen"] for st in chain)
-    total_minutes = sum(st["train_seconds"] for st in chain) / 60
+    timed = [st["train_seconds"] for st in chain if st.get("train_seconds") is not None]
+    total_minutes = sum(timed) / 60
+    minutes_text = (f"{total_minutes:.0f} minutes" if len(timed) == len(chain)
+                    else f"{total_minutes:.0f} minutes for the {len(timed)} timed stages")
     solved = sum(v["ok"] for v in tasks.values())
     fc = held_out["function_calling"]
+    loops = held_out.get("api_loop") or {}
+    probes = (tr.get("probes") or [None])[-1]  # NOTE: one entry per eval; the last is the model's
+    repeat = (probes or {}).get("repeat", {})
     summary_text = (
-        f"**It has learned the agent formats and the choice of tool, not yet the copying of values.** "
-        f"Trained on {total_tokens / 1e6:.1f}M tokens in {len(chain)} warm-started stages, it writes well-formed thoughts and "
-        f"tool calls in the served markup ({pct(u['valid_share'])} of its calls *without* any constraint parse and "
-        f"validate) and names the right tool in {fc['names_ok']} of {fc['calls']} constrained calls, but "
-        f"{fc['values_ok']} of {fc['values']} argument values come out right: numbers, keys and names it must copy "
-        f"from the request or a tool result are wrong, so it solves {solved} of "
-        f"{sum(v['tasks'] for v in tasks.values())} held-out tasks (Figures). It does not answer open questions at all.")
+        f"**Held-out templates** (tool schemas, phrasings, bug kinds and entities no training example "
+        f"uses), greedy, through a real server: it solves {solved} of {sum(v['tasks'] for v in tasks.values())} "
+        f"tasks; {fc['calls_exact']} of {fc['calls']} constrained function calls are exact and {fc['values_ok']} of "
+        f"{fc['values']} argument values right; {pct(u['valid_share'])} of its calls *without* any constraint parse "
+        f"and validate"
+        + (f"; {loops['ended']} of {loops['loops']} OpenAI-API tool loops end with a text answer on their own"
+           if loops else "")
+        + (f". A random string repeated after a gap is continued right (top-1) "
+           + ", ".join(f"{float(v):.0%} at {g}" for g, v in repeat.items()) + " tokens" if repeat else "")
+        + f". Trained on {total_tokens / 1e6:.1f}M tokens in {len(chain)} warm-started stages (Training).")
     card = f"""---
 license: other  # the Cedar repository's terms; training text: generated, plus Python stdlib source (PSF-2.0)
 library_name: cedar
@@ -149,23 +180,34 @@ pools); the default model of `cedar serve`, `cedar agent run` and `make demo`.
 
 ## Training
 
-- **Corpus** (built offline from seed 0, nothing downloaded): Cedar's own agent programs
-  (`cedar.agents`) run with a scripted policy that knows the answer (`cedar.training.corpus`): ReAct
-  over generated facts (one / two hops, arithmetic, a wrong key then the tool's hint), long-range
-  recall (a value from the first tool result, asked for after 5-8 long notes), the coding agent in
-  real sandboxes (a generated module with one bug, its test; parallel `fork` reads, a subagent, edit,
-  run the test, finish), fork and subagent sessions, function calling from 15 generated tool schemas
-  (1-3 turns, some with two calls); plus 10% Python standard-library source (PSF licence). Every
+- **Copy curricula first** (`scripts/copy_curriculum.py`, the chain in `scripts/train_chain.sh`):
+  random strings repeated inside 256-token rows (a copy head within the window), then repeated at
+  every distance up to 1,024 tokens with the compressed attention first trained dense and the
+  indexer distilled toward it (copying through the global entries past the window).
+- **Agent corpus** (built offline from seed 0, nothing downloaded; the last stage, with copy and
+  recall rows mixed in): Cedar's own agent programs (`cedar.agents`) run with a scripted policy
+  that knows the answer (`cedar.training.corpus`): function calling over 520 generated tool schemas
+  (random names, 1-4 parameters of integer, number, enum, string, array and nested-object types,
+  values drawn uniformly; 400 train, 120 held out), paraphrased requests, 1-3 calls per turn and
+  1-3 turns, some answered without a tool, every turn ending with a text answer; ReAct over
+  generated facts with entity names split by hash; long-range recall (a value from the first tool
+  result, asked for after 5-8 long notes); the coding agent in real sandboxes over 20 bug kinds (5
+  held out); fork and subagent sessions; plus Python standard-library source (PSF licence). Every
   session is rendered by the real chat template with the hermes tool-call markup and tokenized at
   the gens' boundaries, as `CedarEndpoint` sends it. {tr['corpus_tokens']:,} tokens; a held-out
   split ({tr['heldout_tokens']:,} tokens) is drawn from its own seed stream and never trained on.
 - **Tokenizer**: byte-level BPE, {cfg['vocab_size']} tokens trained on the corpus, `<tool_call>` and
   `</tool_call>` as single (non-special) tokens; 3.9 bytes/token on the corpus; `model_max_length`
   = {cfg['max_position_embeddings']}.
-- **Runs** ({total_tokens / 1e6:.1f}M tokens in all, {total_minutes:.0f} minutes on 2 CPU cores), each warm-started
+- **Runs** ({total_tokens / 1e6:.1f}M tokens in all, {minutes_text} on 2 CPU cores), each warm-started
   from the one before it (`--init`):
 
 {stages_table(chain)}
+
+Copy probes of the last stage's final eval (`cedar train --probe-only MODEL_DIR` measures them on
+any model folder; through the training forward with bounded replay simulated):
+
+{probes_table(probes)}
 
   The batched training forward (`cedar.training.dense`) computes the served model's maths
   (checked against the reference to 2e-5). 35% of steps simulate an encoder-side prefix hit with
@@ -174,7 +216,9 @@ pools); the default model of `cedar serve`, `cedar agent run` and `make demo`.
   attention over all visible entries. Data order and per-step replay plans depend only on (seed,
   step).
 - Loss curve of the last stage: `loss_curve.png` / `loss_curve.json` in this folder (its training loss
-  counts the copying rows' repeats, near chance, hence the noise; the held-out points are agent sessions only).
+  includes the copy and recall rows mixed in; the held-out points are agent sessions only). Held-out
+  losses of different stages are not comparable when their corpora differ (stages 1-3 were scored
+  on an earlier generator's sessions).
 
 ## Figures
 
@@ -205,14 +249,13 @@ Next-token distributions after a hit, through the served path, against exact rep
 
 ## Limits
 
-- Undertrained: {total_tokens / 1e6:.1f}M tokens seen in all. It picks the right tool far more often than it
-  copies the right value: numbers, keys and names from the request or a tool result are where it
-  fails. Synthetic copying rows did not teach it to copy in this run (greedy accuracy on a
-  repeated random string stayed at chance); content-based copying is the missing skill.
+- Small and briefly trained ({tr['parameters'] / 1e6:.1f}M parameters, {total_tokens / 1e6:.1f}M tokens seen in all):
+  the Figures above are the measure of what it does; anything below its held-out rates there is
+  not to be relied on.
 - Outside the generated task families its text is fluent-looking nonsense; the coding tasks are
   one-line bugs in tiny modules; the facts are made-up names.
-- Recall relies on the compressed sparse attention (top-{cfg['index_topk']} of the global entries); it is not
-  learned yet (recall is 0%).
+- Copying past the window relies on the compressed sparse attention (top-{cfg['index_topk']} of the global
+  entries): the repeat probe and the indexer's recall above show how far it reaches.
 """
     (model_dir / "README.md").write_text(card)
     print(f"wrote {model_dir / 'README.md'}")

@@ -60,14 +60,11 @@ def shipped_server():
     srv.stop()
 
 
-# NOTE: the shipped model was trained on the earlier generators; on the held-out templates of the
-# current ones (unseen tool schemas and bug kinds) it writes valid calls 3/8 and fixes 0/4 bugs
-# (docs/eval.json). Both tests are strict xfails: they fail the suite the day the retrained model
-# passes them, so the mark is removed then (issue 21).
-UNSEEN = "the shipped model predates the held-out templates (docs/eval.json); issue 21's retrain"
+# NOTE: on held-out bug kinds the shipped model fixes 0/4 bugs (docs/eval.json): a strict xfail,
+# which fails the suite the day a retrained model passes it, so the mark is removed then (issue 21).
+UNSOLVED = "the shipped model fixes 0/4 held-out bugs (docs/eval.json); issue 21"
 
 
-@pytest.mark.xfail(strict=True, reason=UNSEEN)
 def test_the_shipped_model_writes_valid_tool_calls_without_constraints(shipped_server):
     """OpenAI API, `tool_choice: auto` (nothing constrains the text): the model's own calls parse
     with Cedar's tool-call parser and validate against the schemas. (Whether they are the *right*
@@ -91,7 +88,7 @@ def test_the_shipped_model_runs_an_agent_session_through_a_real_server(shipped_s
     wait_idle_and_check(shipped_server)
 
 
-@pytest.mark.xfail(strict=True, reason=UNSEEN)
+@pytest.mark.xfail(strict=True, reason=UNSOLVED)
 def test_the_shipped_model_fixes_held_out_bugs_through_a_real_server(shipped_server):
     """The coding agent on held-out bug kinds (a generated module with one bug and its test, in a
     real sandbox), greedy: at least half are solved, i.e. the task's test passes on the files the
