@@ -72,6 +72,8 @@ def probes_table(probes: dict | None) -> str:
                  "| value tokens top-1 | " + " | ".join(f"{v:.2f}" for v in value.values()) + " |"]
         if probes.get("value_exact"):
             rows.append("| whole value right | " + " | ".join(f"{probes['value_exact'][d]:.2f}" for d in value) + " |")
+        if probes.get("value_first"):
+            rows.append("| value's first token right | " + " | ".join(f"{probes['value_first'][d]:.2f}" for d in value) + " |")
     return "\n".join(rows)
 
 

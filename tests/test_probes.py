@@ -117,3 +117,23 @@ def test_bad_probe_settings_and_a_foreign_tokenizer_are_refused():
         ProbeConfig(string_len=(1, 4))
     with pytest.raises(ValueError, match="beyond the model's vocabulary of 512"):
         ProbeSuite(cedar_tiny(), ProbeConfig(cases=1, distances=(32,)), tokenizer_dir=AGENT)
+
+
+def test_the_value_probe_scores_the_first_value_token_apart():
+    """An oracle (the true next token everywhere) starts and finishes every value; an induction
+    copier continues a value once started but cannot choose it (its first token follows the
+    call's markup, whose earlier occurrences precede other text): ``value_first`` tells them apart."""
+    from cedar.backend.geometries import cedar_agent
+
+    cfg = cedar_agent()
+    suite = ProbeSuite(cfg, ProbeConfig(gaps=(0,), cases=4, distances=(32, 256)), tokenizer_dir=AGENT)
+
+    def oracle(batch: ProbeBatch) -> ProbeOutput:
+        nxt = torch.roll(batch.ids, -1, dims=1)
+        return ProbeOutput(torch.nn.functional.one_hot(nxt, cfg.vocab_size).float(), None)
+
+    right = suite.run_forward(oracle)
+    assert right["value"] == right["value_exact"] == right["value_first"] == {"32": 1.0, "256": 1.0}
+    induction = suite.run_forward(lambda b: copier(b, cfg.vocab_size))
+    assert all(induction["value_first"][d] < 1.0 for d in ("32", "256")), induction
+    assert all(induction["value_first"][d] <= induction["value"][d] for d in ("32", "256")), induction

@@ -166,6 +166,7 @@ def dense_forward(model: CEDModel) -> ProbeForward:
 class Scores:
     top1: list[float]  # per case: share of its targets predicted top-1
     exact: list[bool]  # per case: every target right
+    first: list[bool]  # per case: its first target right (for a value: choosing what to copy)
     recall: dict[int, float]  # per index producer layer: share of queries whose top-k holds the source entry
     chance: dict[int, float]  # per layer: mean min(1, k / visible entries) at those queries
 
@@ -174,7 +175,7 @@ def score(forward: ProbeForward, cases: list[ProbeCase], W: int, pad_id: int) ->
     """Run ``cases`` as one batch and score them."""
     batch = layout(cases, W, pad_id)
     out = forward(batch)
-    top1, exact = [], []
+    top1, exact, first = [], [], []
     hits: dict[int, list[float]] = {}
     chance: dict[int, list[float]] = {}
     for b, (o, c) in enumerate(zip(batch.offsets, cases)):
@@ -182,13 +183,14 @@ def score(forward: ProbeForward, cases: list[ProbeCase], W: int, pad_id: int) ->
         right = out.logits[b, q].argmax(-1) == batch.ids[b, q + 1]
         top1.append(float(right.float().mean()))
         exact.append(bool(right.all()))
+        first.append(bool(right[0]))
         for layer, s in (out.selections or {}).items():
             src = torch.tensor(c.sources) + o
             want = src - src % s.ratio + s.ratio - 1  # the entry holding the source token
             hits.setdefault(layer, []).extend((s.entry_pos[b, q] == want[:, None]).any(-1).float().tolist())
             vis = s.num_visible[b, q].clamp_min(1).float()
             chance.setdefault(layer, []).extend((s.topk / vis).clamp(max=1.0).tolist())
-    return Scores(top1, exact, {k: _mean(v) for k, v in hits.items()}, {k: _mean(v) for k, v in chance.items()})
+    return Scores(top1, exact, first, {k: _mean(v) for k, v in hits.items()}, {k: _mean(v) for k, v in chance.items()})
 
 
 # ---------------------------------------------------------------------------------- the cases
@@ -324,11 +326,13 @@ class ProbeSuite:
                 out["recall"].setdefault(f"L{layer}", {})[str(g)] = round(s.recall[layer], 4)
                 out["recall_chance"].setdefault(f"L{layer}", {})[str(g)] = round(s.chance[layer], 4)
         if self.value:
-            out["value"], out["value_exact"], out["value_distance"], out["value_same_tokens"] = {}, {}, {}, {}
+            for key in ("value", "value_exact", "value_first", "value_distance", "value_same_tokens"):
+                out[key] = {}
             for d, cases in self.value.items():
                 s = score(forward, cases, W, pad)
                 out["value"][str(d)] = round(_mean(s.top1), 4)
                 out["value_exact"][str(d)] = round(_mean([float(x) for x in s.exact]), 4)
+                out["value_first"][str(d)] = round(_mean([float(x) for x in s.first]), 4)
                 out["value_distance"][str(d)] = round(_mean([c.distance for c in cases]), 1)
                 out["value_same_tokens"][str(d)] = round(_mean([float(c.same_tokens) for c in cases]), 4)
         out["seconds"] = round(time.time() - t0, 2)
