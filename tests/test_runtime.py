@@ -88,6 +88,15 @@ def test_request_facts_are_consumed_once_per_chunk_and_a_new_request_drops_stale
     rt.note_request(0, 64, "f", RequestInfo(final_chunk=False))
     assert rt._take_facts(0, 64, "g") == RequestInfo()  # another request's facts are never taken
     assert set(rt._facts) == {(3, 128)}
+    # a retracted request admitted again under its rid: its first life's entries are stale
+    rt.note_request(2, 0, "h", RequestInfo(final_chunk=False))
+    rt.note_request(2, 256, "h", RequestInfo(final_chunk=False))  # noted early, then h is retracted
+    rt.note_request(2, 0, "h", RequestInfo(final_chunk=True))  # h again, cold, in one chunk
+    assert rt._take_facts(2, 256, "h") == RequestInfo() and rt._take_facts(2, 0, "h").final_chunk
+    rt.note_request(1, 0, "i", RequestInfo(final_chunk=False))
+    rt.note_request(1, 256, "i", RequestInfo(final_chunk=False))
+    rt.note_request(1, 128, "i", RequestInfo(final_chunk=True))  # i again, at a hit of 128
+    assert set(k for k in rt._facts if k[0] == 1) == {(1, 0), (1, 128)}
 
 
 def test_admission_charges_replay_rows_and_clamps_a_lone_request_to_the_budget(model):

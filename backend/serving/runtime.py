@@ -149,9 +149,9 @@ class CedarRuntime:
         # NOTE: per-request facts of the scheduler, keyed by (request slot, prefix length), each
         # with the rid that noted it: the forward batch SGLang hands the model is not always the
         # object its init_new built, and with overlap scheduling a slot's next chunk can be noted
-        # before this one runs. A slot's entries of another rid go when a request notes one (an
-        # aborted request's, whatever prefix the new one starts at), and an entry goes when it is
-        # consumed, so the table holds at most the chunks in flight of one request per slot.
+        # before this one runs. A note drops the slot's stale entries (another rid's, whatever
+        # prefix the new one starts at; its own from an earlier life, see note_request), and an
+        # entry goes when it is consumed: at most the chunks in flight of one request per slot.
         self._facts: dict[tuple[int, int], tuple[str, RequestInfo]] = {}
 
     # ------------------------------------------------------------------ pools
@@ -226,8 +226,13 @@ class CedarRuntime:
     def note_request(self, slot: int, prefix_len: int, rid: str, info: RequestInfo) -> None:
         """What the scheduler knows of request ``rid``'s next chunk (starting at ``prefix_len``
         in request slot ``slot``) and the forward does not carry."""
-        for key in [k for k, (owner, _) in self._facts.items() if k[0] == slot and owner != rid]:
-            del self._facts[key]  # an earlier request of this slot (aborted before it ran)
+        # NOTE: stale: another request's (one aborted before it ran), and, for this request, any
+        # at or past this chunk's start (an earlier life of it: a retracted request is admitted
+        # again under its rid, at 0 or at a hit); a pending earlier chunk of this life stays
+        stale = [k for k, (owner, _) in self._facts.items()
+                 if k[0] == slot and (owner != rid or prefix_len == 0 or k[1] >= prefix_len)]
+        for key in stale:
+            del self._facts[key]
         self._facts[(slot, prefix_len)] = (rid, info)
 
     def _take_facts(self, slot: int, prefix_len: int, rid: str) -> RequestInfo:
@@ -286,7 +291,10 @@ class CedarRuntime:
         """One forward of SGLang's scheduled rows. input_ids: (sum(extend_lens),) int on the pools'
         device; the pools' token ids of the scheduled slots are already written (:meth:`write_ids`)."""
         self._ensure_pools()
-        infos = [self._take_facts(s, p, r) for s, p, r in zip(inp.req_slots, inp.prefix_lens, inp.rids)]
+        # NOTE: facts are noted for prefill chunks only: a decode step never takes one (a stale
+        # entry taken there would skip its decoder)
+        infos = [RequestInfo()] * len(inp.rids) if inp.kind == "decode" else \
+            [self._take_facts(s, p, r) for s, p, r in zip(inp.req_slots, inp.prefix_lens, inp.rids)]
         if self.flags.replay_per_request:
             for pre in replay_prepass(self.model, self.flags, self.slots, self.pools, inp.req_to_token,
                                       inp.rids, inp.req_slots, inp.prefix_lens, self.snapshots):
