@@ -159,7 +159,7 @@ def main(model_dir: str, eval_json: str, fidelity_json: str) -> None:
         f"and validate"
         + (f"; {loops['ended']} of {loops['loops']} OpenAI-API tool loops end with a text answer on their own"
            if loops else "")
-        + (f". A random string repeated after a gap is continued right (top-1) "
+        + (". A random string repeated after a gap is continued right (top-1) "
            + ", ".join(f"{float(v):.0%} at {g}" for g, v in repeat.items()) + " tokens" if repeat else "")
         + f". Trained on {total_tokens / 1e6:.1f}M tokens in {len(chain)} warm-started stages (Training).")
     card = f"""---

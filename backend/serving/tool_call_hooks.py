@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 
 from ..string_patterns import JSON_CHAR, TAG_CHAR, strings_as_patterns
-from . import tool_call_parser
 
 P = "sglang.srt."
 TARGETS = {
