@@ -261,7 +261,7 @@ def test_copied_values_tokenize_as_where_they_are_stated():
 
 
 def test_a_random_values_first_statement_carries_no_loss(tmp_path):
-    from cedar.training.trainer import UNTRAINED
+    from cedar.training.trainer import UNTRAINED, VALUE_START
     from tokenizers import Tokenizer
 
     task = next(t for t in make_tasks(8, "train", {"function-calling": 10})
@@ -286,11 +286,13 @@ def test_a_random_values_first_statement_carries_no_loss(tmp_path):
                 assert toks and all(w[j] == UNTRAINED for j in toks)  # stated in the user message: no loss
                 copy = value_at(session["text"], json.dumps(v), session["text"].index(CALL_HEAD + c["name"]))
                 toks = [j for j, (a, b) in enumerate(offsets) if a < copy + len(json.dumps(v)) and b > copy]
-                assert toks and all(w[j] == 1 for j in toks)  # copied into the call: full loss
+                assert toks and w[toks[0]] == VALUE_START  # the copy's first token: weighed up
+                assert all(w[j] == 1 for j in toks[1:])  # the rest of the copy: full loss
                 checked += 1
     assert checked
     assert set(np.unique(plain["weight"])) <= {0, 1}  # without values nothing is UNTRAINED
     assert (w == UNTRAINED).sum() > 0 and ((w == UNTRAINED) & (plain["weight"] == 1)).sum() == 0
+    assert ((w == VALUE_START) & (plain["weight"] != 1)).sum() == 0  # only assistant tokens start copies
 
 
 def test_the_demo_runs_heldout_templates_and_a_right_run_passes_their_checks():

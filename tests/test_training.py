@@ -252,6 +252,59 @@ def test_recall_rows_repeat_earlier_strings_at_every_distance_and_train_only_wha
     assert far > 50  # repeats beyond the 128-token window
 
 
+def test_keyed_rows_answer_each_query_with_the_value_stated_for_its_key():
+    """A keyed row's queries name a key stated earlier (often beyond the window) and are answered
+    with that key's value; only the answers carry loss, their first id as VALUE_START."""
+    from cedar.training.trainer import UNTRAINED, VALUE_START, keyed_row
+
+    tc = TrainConfig(keyed_share=1.0)
+    ids, doc, w = keyed_row(tc, 5, 2048)
+    assert torch.equal(ids, keyed_row(tc, 5, 2048)[0]) and not torch.equal(ids, keyed_row(tc, 6, 2048)[0])
+    ids_l, w_l = ids.tolist(), w.tolist()
+    n = int((doc >= 0).sum())
+    ends = [i for i in range(n) if w_l[i] != UNTRAINED and (i + 1 == n or w_l[i + 1] == UNTRAINED)]
+    starts = [i for i in range(n) if w_l[i] == VALUE_START]
+    assert len(starts) > 40 and len(starts) == len(ends)
+    text = ids_l[:n]
+    far = 0
+    for v, e in zip(starts, ends):
+        eq = v - 1
+        assert w_l[eq] == 0 and w_l[v + 1:e + 1] == [1] * (e - v)
+        k = eq
+        while k > 0 and w_l[k - 1] == UNTRAINED and text[k - 1] != text[e]:
+            k -= 1
+        key, answer = text[k:eq + 1], text[v:e + 1]
+        # the same key, with every weight UNTRAINED, was stated before with this very answer
+        hits = [i for i in range(k) if text[i:i + len(key)] == key and text[i + len(key):i + len(key) + len(answer)] == answer
+                and all(x == UNTRAINED for x in w_l[i:i + len(key) + len(answer)])]
+        assert hits, f"query at {k} answers with a value never stated for its key"
+        far += k - hits[-1] > 128
+    assert far > 20  # lookups beyond the 128-token window
+
+
+def test_value_start_tokens_are_weighed_by_value_start_weight(small_corpus):
+    from cedar.training.trainer import VALUE_START, loss_of
+
+    _, cfg = small_corpus
+    fwd = DenseForward(random_model(cfg, 2))
+    ids = torch.randint(8, 500, (1, 256), generator=torch.Generator().manual_seed(1))
+    doc = torch.zeros(1, 256, dtype=torch.long)
+    w = torch.ones(1, 256, dtype=torch.uint8)
+    w[0, 100:110] = VALUE_START
+    with torch.no_grad():
+        even, _ = loss_of(fwd, ids, doc, w, Plan(), TrainConfig(aux_weight=0.0))
+        plain, _ = loss_of(fwd, ids, doc, torch.ones_like(w), Plan(), TrainConfig(aux_weight=0.0, value_start_weight=5.0))
+        up, _ = loss_of(fwd, ids, doc, w, Plan(), TrainConfig(aux_weight=0.0, value_start_weight=5.0))
+        changed = ids.clone()
+        changed[0, 100:110] = 7  # the weighed-up targets: only they move the loss
+        up2, _ = loss_of(fwd, changed, doc, w, Plan(), TrainConfig(aux_weight=0.0, value_start_weight=5.0))
+        even2, _ = loss_of(fwd, changed, doc, w, Plan(), TrainConfig(aux_weight=0.0))
+    assert torch.isclose(even, plain)  # weight 1.0: a VALUE_START token is an assistant token
+    assert not torch.isclose(up, even)
+    # changing the weighed-up targets moves the objective more once they weigh 5x
+    assert abs(float(up2 - up)) > abs(float(even2 - even)) * 2
+
+
 def test_untrained_tokens_carry_no_loss(small_corpus):
     from cedar.training.trainer import UNTRAINED, loss_of
 

@@ -119,7 +119,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
                      warmup=warmup, checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
                      bf16=args.bf16, init=args.init or "", copy_share=args.copy_share,
                      recall_share=args.recall_share, context_weight=args.context_weight,
-                     dense_share=args.dense_share)
+                     dense_share=args.dense_share, keyed_share=args.keyed_share,
+                     value_start_weight=args.value_start_weight)
     if args.export:  # the latest checkpoint as a model folder, no training
         from cedar.training.trainer import CHECKPOINT, init_model
 
@@ -169,6 +170,10 @@ def register(sub) -> None:
                    help="chance that a step's last row is synthetic copying (repeated random strings)")
     p.add_argument("--recall-share", type=float, default=0.0,
                    help="of the copy rows, the share that repeat strings at every distance (trainer.recall_row)")
+    p.add_argument("--keyed-share", type=float, default=0.0,
+                   help="of the copy rows that are not recall rows, the share of key-value lookups (trainer.keyed_row)")
+    p.add_argument("--value-start-weight", type=float, default=TrainConfig.value_start_weight,
+                   help="loss weight of the first token of a copied value (the token that picks the span)")
     p.add_argument("--context-weight", type=float, default=TrainConfig.context_weight,
                    help="loss weight of tokens outside the assistant's turns (assistant tokens: 1)")
     p.add_argument("--dense-share", type=float, default=0.0,

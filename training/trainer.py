@@ -28,6 +28,7 @@ from .probes import ProbeSuite
 
 CHECKPOINT = "checkpoint.pt"
 UNTRAINED = 2  # token weight: the token is input only (a copy row's first statement)
+VALUE_START = 3  # token weight: an assistant token that starts a copied value (``value_start_weight``)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,8 @@ class TrainConfig:
     copy_share: float = 0.0  # chance that a step's last row is synthetic copying (see copy_row)
     recall_share: float = 0.0  # of those copy rows, the share that are recall rows (see recall_row)
     copy_vocab: tuple[int, int] = (8, 2046)  # token ids copy rows draw from (no special tokens)
+    keyed_share: float = 0.0  # of the copy rows that are not recall rows, the share that are keyed rows
+    value_start_weight: float = 1.0  # loss weight of a VALUE_START token (other assistant tokens: 1)
 
 
 def init_model(cfg: CEDConfig, seed: int) -> CEDModel:
@@ -169,6 +172,62 @@ def recall_row(tc: TrainConfig, step: int, seq_len: int,
         at += len(s)
 
 
+def keyed_row(tc: TrainConfig, step: int, seq_len: int,
+              query_p: float = 0.5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A row of one document of key-value statements and queries, in one made-up syntax per row
+    (two random separator ids, ``eq`` and ``end``): a statement is ``key eq value end`` (keys 1-3
+    random ids, values 2-8; input only), a query, with chance ``query_p`` once four keys are
+    stated, names a key stated anywhere before (chosen uniformly, so distances spread over the
+    row) and is answered with its value. The key of a query is not predictable (UNTRAINED); its
+    value's first id, the one that needs the key looked up, is VALUE_START, the rest of the answer
+    carries weight 1. This is the skill an agent's call needs and a repeat does not train: which
+    stated span to copy, chosen by what names it (`"city": "` -> the city in the request), where
+    `recall_row` only continues a string whose first id is given.
+    -> ids (T,) int64, doc (T,) int64 (-1 = pad), weight (T,) uint8."""
+    rng = random.Random(f"{tc.seed}:keyed:{step}")
+    eq, end = rng.sample(range(*tc.copy_vocab), 2)
+    vocab = [t for t in range(*tc.copy_vocab) if t not in (eq, end)]
+    ids = torch.zeros(seq_len, dtype=torch.long)
+    doc = torch.full((seq_len,), -1, dtype=torch.long)
+    w = torch.zeros(seq_len, dtype=torch.uint8)
+    stated: dict[tuple[int, ...], list[int]] = {}
+    at = 0
+    while True:
+        if len(stated) >= 4 and rng.random() < query_p:
+            key = rng.choice(list(stated))
+            value, query = stated[key], True
+        else:
+            key = tuple(rng.sample(vocab, rng.randint(1, 3)))
+            if key in stated:
+                continue
+            value, query = rng.sample(vocab, rng.randint(2, 8)), False
+        item = [*key, eq, *value, end]
+        if at + len(item) > seq_len:
+            return ids, doc, w
+        ids[at:at + len(item)] = torch.tensor(item)
+        doc[at:at + len(item)] = 0
+        v = at + len(key) + 1  # the value's first id
+        if query:
+            w[at:at + len(key)] = UNTRAINED
+            w[at + len(key)] = 0  # `eq` after a key: the format, context weight
+            w[v] = VALUE_START
+            w[v + 1:at + len(item)] = 1
+        else:
+            w[at:at + len(item)] = UNTRAINED
+            stated[key] = value
+        at += len(item)
+
+
+def synthetic_row(tc: TrainConfig, step: int, seq_len: int):
+    """The synthetic row of a step that has one (``copy_share``): a recall row (``recall_share``),
+    else a keyed row (``keyed_share`` of the rest), else a copy row; a function of (seed, step)."""
+    if tc.recall_share and random.Random(f"{tc.seed}:recall-step:{step}").random() < tc.recall_share:
+        return recall_row(tc, step, seq_len)
+    if tc.keyed_share and random.Random(f"{tc.seed}:keyed-step:{step}").random() < tc.keyed_share:
+        return keyed_row(tc, step, seq_len)
+    return copy_row(tc, step, seq_len)
+
+
 def step_plan(tc: TrainConfig, step: int, seq_len: int, W: int) -> Plan:
     rng = random.Random(f"{tc.seed}:plan:{step}")
     dense = step < tc.dense_share * tc.steps
@@ -200,13 +259,15 @@ def bf16_is_native() -> bool:
 
 def loss_of(forward: DenseForward, ids, doc, weight, plan: Plan, tc: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted next-token loss (and the plain mean over real tokens, for reporting). ``weight``:
-    1 = assistant token, 0 = context (``tc.context_weight``), UNTRAINED = no loss at all."""
+    1 = assistant token, 0 = context (``tc.context_weight``), UNTRAINED = no loss at all,
+    VALUE_START = an assistant token weighted ``tc.value_start_weight``."""
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=tc.bf16):
         logits, aux = forward.run(ids, doc, plan)
     logits = logits.float()
     ce, valid = token_losses(logits, ids, doc)
     valid = valid & (weight[:, 1:] != UNTRAINED)
-    w = torch.where(weight[:, 1:] > 0, 1.0, tc.context_weight) * valid
+    target = weight[:, 1:]
+    w = torch.where(target == VALUE_START, tc.value_start_weight, torch.where(target > 0, 1.0, tc.context_weight)) * valid
     total = (ce * w).sum() / w.sum().clamp_min(1) + tc.aux_weight * aux
     return total, ((ce * valid).sum() / valid.sum().clamp_min(1)).detach()
 
@@ -221,7 +282,7 @@ def heldout_loss(model: CEDModel, arrays: dict, tc: TrainConfig, pad_id: int, ma
         ids, doc, w = make_batch(arrays, rows, list(range(i, min(i + tc.batch, len(rows)))), tc.seq_len, pad_id)
         logits, _ = fwd.run(ids, doc, Plan())
         ce, valid = token_losses(logits, ids, doc)
-        a = valid & (w[:, 1:] > 0)
+        a = valid & ((w[:, 1:] == 1) | (w[:, 1:] == VALUE_START))  # assistant tokens (not UNTRAINED ones)
         tot, n = tot + float((ce * valid).sum()), n + float(valid.sum())
         ast, na = ast + float((ce * a).sum()), na + float(a.sum())
     return {"loss": tot / max(n, 1), "assistant_loss": ast / max(na, 1), "tokens": int(n)}
@@ -283,9 +344,7 @@ def train(cfg: CEDConfig, arrays: dict, heldout: dict | None, tc: TrainConfig, o
             g["lr"] = lr_at(tc, step)
         ids, doc, w = make_batch(arrays, rows, perm[step * tc.batch:(step + 1) * tc.batch], tc.seq_len, cfg.pad_token_id)
         if tc.copy_share and random.Random(f"{tc.seed}:copy-step:{step}").random() < tc.copy_share:
-            recall = tc.recall_share and random.Random(f"{tc.seed}:recall-step:{step}").random() < tc.recall_share
-            make = recall_row if recall else copy_row
-            ids[-1], doc[-1], w[-1] = make(tc, step, tc.seq_len)
+            ids[-1], doc[-1], w[-1] = synthetic_row(tc, step, tc.seq_len)
         plan = step_plan(tc, step, tc.seq_len, cfg.sliding_window)
         loss, plain = loss_of(fwd, ids, doc, w, plan, tc)
         opt.zero_grad(set_to_none=True)

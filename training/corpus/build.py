@@ -186,6 +186,13 @@ def value_at(text: str, value: str, start: int = 0) -> int:
     return m.start() if m else -1
 
 
+def value_spans(text: str, value: str, start: int = 0):
+    """Yield where `value` occurs in `text` from `start` as a whole value (see `value_at`)."""
+    while (at := value_at(text, value, start)) >= 0:
+        yield at
+        start = at + len(value)
+
+
 def tokenize_corpus(sessions: list[dict], tokenizer_dir: Path) -> dict[str, np.ndarray]:
     """-> {"ids": (N,) uint16, "weight": (N,) uint8, "doc_start": (D+1,) int64}.
 
@@ -193,10 +200,12 @@ def tokenize_corpus(sessions: list[dict], tokenizer_dir: Path) -> dict[str, np.n
     0 = context (user, tool and system text, plain code: the trainer's small `context_weight`);
     UNTRAINED = no loss: the tokens of a random value's first statement (a session's ``values``,
     where the first occurrence is outside an assistant message): it is noise there, and only its
-    copies can be predicted."""
+    copies can be predicted; VALUE_START = the first token of an assistant's copy of such a value
+    (an assistant token whose loss the trainer can weigh up: choosing which stated span to copy is
+    the step a small model learns last, `cedar train --value-start-weight`)."""
     from tokenizers import Tokenizer
 
-    from cedar.training.trainer import UNTRAINED
+    from cedar.training.trainer import UNTRAINED, VALUE_START
 
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     start_id, end_id = tok.token_to_id(ROLE_MARKERS["assistant"]), tok.token_to_id(END)
@@ -223,6 +232,10 @@ def tokenize_corpus(sessions: list[dict], tokenizer_dir: Path) -> dict[str, np.n
                     hi += 1
                 if not w[lo:hi].any():  # a statement (not an assistant's copy)
                     w[lo:hi] = UNTRAINED
+                for copy in value_spans(s["text"], value, at + len(value)):
+                    j = int(np.searchsorted(ends, copy, side="right"))
+                    if j < len(ids) and w[j] == 1:  # an assistant's copy: its first token picks the span
+                        w[j] = VALUE_START
         ids_all.append(np.asarray(ids, np.uint16))
         weights.append(w)
         starts.append(starts[-1] + len(ids))
