@@ -20,6 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "agent": ("cedar.agents.cli", "run Cedar's agent programs against a server"),
     "demo": ("cedar.agents.cli", "the main job: serve the shipped model and run an agent session on it"),
     "train": ("cedar.training.cli", "build the agent corpus and train a CED model on CPU (resumable)"),
+    "curriculum": ("cedar.training.cli", "a synthetic copy or recall curriculum from a model folder (resumable)"),
+    "stage": ("cedar.training.cli", "keep a finished training stage in the repo (float16) or restore it"),
     "bench": ("cedar.drivers.cli", "benchmarks against the real SGLang server"),
     "soak": ("cedar.drivers.cli", "agent load with disconnects, aborts and bad input, checked every phase"),
     "evaluate": ("cedar.drivers.cli", "the model on generated tasks through a real server, held-out apart"),

@@ -137,6 +137,29 @@ def _cmd_bench_step(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_kernel(args: argparse.Namespace, run) -> int:
+    try:
+        report = run()
+    except RuntimeError as e:
+        print(f"cedar bench {args.bench_command}: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+def _cmd_bench_linear(args: argparse.Namespace) -> int:
+    from .bench.linear import run_linear_bench
+
+    return _cmd_bench_kernel(args, run_linear_bench)
+
+
+def _cmd_bench_indexer(args: argparse.Namespace) -> int:
+    from .bench.indexer_kernel import run_indexer_bench
+
+    return _cmd_bench_kernel(args, run_indexer_bench)
+
+
 def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks against the real SGLang server")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
@@ -178,6 +201,13 @@ def _add_bench(sub) -> None:
     s.add_argument("--concurrency", type=int, default=1)
     s.add_argument("--tokens-per-block", type=int, default=4, help="token ids per trace block")
     s.set_defaults(fn=_cmd_bench_trace)
+    for name, fn, help_ in (("linear", _cmd_bench_linear, "a decode step's matmuls alone: MKL vs cedar_cpu::linear "
+                             "at 1 and 8 rows, beside the streaming read speed"),
+                            ("indexer-kernel", _cmd_bench_indexer, "the indexer top-k kernel alone (a hit's rows, "
+                             "a decode step), 1 thread, with selection checksums for A/B")):
+        s = kinds.add_parser(name, help=help_)
+        s.add_argument("--json", default=None, help="also write the figures here")
+        s.set_defaults(fn=fn)
     agents_cli.register(kinds)  # `cedar bench agents`: the agent-load matrix
 
 

@@ -10,7 +10,7 @@
 # of commits. THREADS (default 2): torch threads.
 #
 # A session's RUNS does not outlive its machine, and the chain is longer than a session, so a
-# finished stage's model is also kept in the repo, once, in float16 (scripts/stage_checkpoint.py:
+# finished stage's model is also kept in the repo, once, in float16 (`cedar stage`, training/stages.py:
 # training/checkpoints/<stage>.safetensors, committed by hand); a later session's chain restores
 # the newest one it finds and starts after it. Only the chain's end is the shipped model (models/).
 #
@@ -36,7 +36,7 @@ restore() {
   shift
   if [ -f "$CKPT/$name.safetensors" ] && [ ! -f "$RUNS/$name-export.done" ]; then
     echo "[chain] $name: restored from $CKPT/$name.safetensors"
-    $PY scripts/stage_checkpoint.py restore "$CKPT/$name.safetensors" "$RUNS/$name/model"
+    $PY -m cedar.cli stage restore "$CKPT/$name.safetensors" "$RUNS/$name/model"
     for s in "$@" "$name" "$name-export" "$name-keep"; do touch "$RUNS/$s.done"; done
   fi
 }
@@ -55,17 +55,17 @@ stage() {
   touch "$RUNS/$name.done"
 }
 
-stage copy256 $PY scripts/copy_curriculum.py --init models/cedar-agent --out "$RUNS/copy256" --kind copy \
+stage copy256 $PY -m cedar.cli curriculum --init models/cedar-agent --out "$RUNS/copy256" --kind copy \
   --seq-len 256 --batch 16 --steps 850 --lr 1e-3 --threads "$T"
-stage copy256-export $PY scripts/copy_curriculum.py --init models/cedar-agent --out "$RUNS/copy256" \
+stage copy256-export $PY -m cedar.cli curriculum --init models/cedar-agent --out "$RUNS/copy256" \
   --export "$RUNS/copy256/model"
-stage copy256-keep $PY scripts/stage_checkpoint.py save "$RUNS/copy256/model" "$CKPT/copy256.safetensors" \
+stage copy256-keep $PY -m cedar.cli stage save "$RUNS/copy256/model" "$CKPT/copy256.safetensors" \
   --note "copy256: copy_curriculum --kind copy --seq-len 256 --batch 16 --steps 850 --lr 1e-3"
-stage recall1k $PY scripts/copy_curriculum.py --init "$RUNS/copy256/model" --out "$RUNS/recall1k" --kind recall \
+stage recall1k $PY -m cedar.cli curriculum --init "$RUNS/copy256/model" --out "$RUNS/recall1k" --kind recall \
   --seq-len 1024 --batch 4 --steps ${RECALL_STEPS:-700} --dense-steps 500 --lr 1e-3 --threads "$T" --aux-weight 1.0 --aux-stride 1
-stage recall1k-export $PY scripts/copy_curriculum.py --init "$RUNS/copy256/model" --out "$RUNS/recall1k" \
+stage recall1k-export $PY -m cedar.cli curriculum --init "$RUNS/copy256/model" --out "$RUNS/recall1k" \
   --export "$RUNS/recall1k/model"
-stage recall1k-keep $PY scripts/stage_checkpoint.py save "$RUNS/recall1k/model" "$CKPT/recall1k.safetensors" \
+stage recall1k-keep $PY -m cedar.cli stage save "$RUNS/recall1k/model" "$CKPT/recall1k.safetensors" \
   --note "recall1k: copy_curriculum --kind recall --seq-len 1024 --batch 4 --dense-steps 500 --lr 1e-3 from copy256"
 stage agent $PY -m cedar.cli train --init "$RUNS/recall1k/model" --out "$RUNS/agent" --steps ${AGENT_STEPS:-1500} \
   --copy-share 0.3 --recall-share 0.5 --context-weight 0.05 --lr ${AGENT_LR:-1e-3} --threads "$T" --no-progress $BF16

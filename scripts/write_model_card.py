@@ -182,7 +182,7 @@ pools); the default model of `cedar serve`, `cedar agent run` and `make demo`.
 
 ## Training
 
-- **Copy curricula first** (`scripts/copy_curriculum.py`, the chain in `scripts/train_chain.sh`):
+- **Copy curricula first** (`cedar curriculum`, the chain in `scripts/train_chain.sh`):
   random strings repeated inside 256-token rows (a copy head within the window), then repeated at
   every distance up to 1,024 tokens with the compressed attention first trained dense and the
   indexer distilled toward it (copying through the global entries past the window).

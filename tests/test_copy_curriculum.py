@@ -1,4 +1,4 @@
-"""``scripts/copy_curriculum.py``, the curriculum the shipped model's copying is trained with: a
+"""``cedar curriculum`` (``training/curriculum.py``), the curriculum the shipped model's copying is trained with: a
 stopped run resumes from its checkpoint (written atomically), its logs keep each step once, and
 ``--export`` writes a model folder that loads."""
 
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(out: Path, *extra: str) -> None:
-    argv = [sys.executable, "scripts/copy_curriculum.py", "--init", "models/cedar-agent", "--out", str(out),
+    argv = [sys.executable, "-m", "cedar.cli", "curriculum", "--init", "models/cedar-agent", "--out", str(out),
             "--seq-len", "128", "--batch", "1", "--precision", "fp32", *extra]
     subprocess.run(argv, check=True, cwd=ROOT, timeout=600, capture_output=True)
 

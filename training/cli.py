@@ -186,4 +186,12 @@ def register(sub) -> None:
     p.add_argument("--json", help="with --probe-only: write the probe figures here")
     p.add_argument("--probe-quick", action="store_true", help="fewer probe cases, gaps and distances (a smoke run)")
     p.set_defaults(fn=_cmd_train)
+    from . import curriculum, stages
+
+    p = sub.add_parser("curriculum", help=curriculum.__doc__.split("\n")[0])
+    curriculum.add_arguments(p)
+    p.set_defaults(fn=curriculum.run)
+    p = sub.add_parser("stage", help=stages.__doc__.split("\n")[0])
+    stages.add_arguments(p)
+    p.set_defaults(fn=stages.run)
 

@@ -665,7 +665,7 @@ std::tuple<at::Tensor, at::Tensor> merge_states(const at::Tensor& out_a, const a
 // shapes dot() does not vectorize, go to at::linear.
 // NOTE: why: a decode step's matmuls read every weight once and do little else (memory-bound);
 // MKL's few-row GEMM read at about 6 GB/s on one core here and slower on two, where a plain read
-// streams at 11 GB/s on one core and 19 on two (scripts/bench_linear.py). Deterministic: no output
+// streams at 11 GB/s on one core and 19 on two (cedar bench linear). Deterministic: no output
 // depends on the thread count.
 constexpr int64_t kLinearRows = 8;
 

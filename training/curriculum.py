@@ -1,6 +1,6 @@
 """A short-context copy curriculum: does a model form a copy (induction) head, and when?
 
-    .venv/bin/python scripts/copy_curriculum.py --init models/cedar-agent --out DIR \
+    cedar curriculum --init models/cedar-agent --out DIR \
         [--kind copy|recall] [--seq-len 256] [--batch 16] [--steps 2000] [--lr 1e-3] [--threads 1] \
         [--dense-steps N] [--export MODEL_DIR]
 
@@ -57,8 +57,7 @@ def repeat_accuracy(model, fwd: DenseForward, tc: TrainConfig, seq_len: int, mak
     return float((hit & m).sum() / m.sum())
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--init", required=True, help="model folder to start from")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--seq-len", type=int, default=256)
@@ -73,7 +72,9 @@ def main() -> None:
     ap.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                     help="auto: bf16 autocast only where the CPU multiplies bf16 natively (AVX512-BF16/AMX)")
     ap.add_argument("--export", type=Path, help="write the saved state as a model folder here; no training")
-    a = ap.parse_args()
+
+
+def run(a: argparse.Namespace) -> int:
     make = recall_row if a.kind == "recall" else copy_row
     torch.set_num_threads(a.threads)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -104,7 +105,7 @@ def main() -> None:
             if (Path(a.init) / name).exists():
                 shutil.copy(Path(a.init) / name, a.export / name)
         print(f"exported step {start} to {a.export}")
-        return
+        return 0
     probes = ProbeSuite(model.cfg)
     t0 = time.time()
     with open(a.out / "curve.jsonl", "a") as log:
@@ -128,7 +129,4 @@ def main() -> None:
                 with open(a.out / "probes.jsonl", "a") as pl:
                     pl.write(json.dumps({"step": step + 1, **probes.run(model)}) + "\n")
                 atomic_save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1}, state)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,6 +1,6 @@
 """The indexer top-k kernel alone (``torch.ops.cedar_cpu.indexer_topk``), best of N, 1 thread:
 
-    .venv/bin/python scripts/bench_indexer.py
+    cedar bench indexer-kernel [--json OUT]
 
 - a hit's rows: 144 query rows of one request over 2,048 entries (a 4k hit + 16 at a ratio-2
   source), FP4 keys read from the pool, then the same keys given dequantized (what a prefill
@@ -29,9 +29,16 @@ def best_ms(f, repeats: int = 20) -> float:
     return 1000 * best
 
 
-def main() -> None:
+def run_indexer_bench() -> dict:
+    """-> {"cases": [{"case", "ms", "checksum"}]} (also printed, one line a case)."""
     if not cpu_ext.available():
-        raise SystemExit("the C++ kernels are not built (python -m cedar.kernels.cpu_ext)")
+        raise RuntimeError("the C++ kernels are not built (python -m cedar.kernels.cpu_ext)")
+    cases = []
+
+    def report(name: str, f) -> None:
+        cases.append({"case": name, "ms": round(best_ms(f), 3), "checksum": int(f().sum())})
+        print(f"{name}: {cases[-1]['ms']} ms, checksum {cases[-1]['checksum']}", flush=True)
+
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     op, Hi, Di, C, k = torch.ops.cedar_cpu.indexer_topk, 2, 32, 2048, 32
@@ -44,8 +51,7 @@ def main() -> None:
     rows, cu, req = torch.arange(C), torch.tensor([0, C]), torch.zeros(T, dtype=torch.long)
     qpos, cpos = torch.arange(4096 - 128, 4096 + 16), torch.arange(C) * 2 + 1
     for name, given in (("hit rows, keys from the pool", None), ("hit rows, keys given", keys)):
-        f = lambda: op(iq, iw, given, codes, scales, rows, cu, req, qpos, cpos, k)  # noqa: E731
-        print(f"{name}: 144 x 2,048: {best_ms(f):.2f} ms, checksum {int(f().sum())}")
+        report(f"{name}: 144 x 2,048", lambda: op(iq, iw, given, codes, scales, rows, cu, req, qpos, cpos, k))
     # a decode step: 8 requests, one row each
     B = 8
     iq, iw = torch.randn(B, Hi, Di, generator=g), torch.randn(B, Hi, generator=g)
@@ -53,9 +59,5 @@ def main() -> None:
     scales = torch.full((B * C, 1), 127, dtype=torch.uint8)
     rows, cu, req = torch.arange(B * C), torch.arange(B + 1) * C, torch.arange(B)
     qpos, cpos = torch.full((B,), 4200), (torch.arange(C) * 2 + 1).repeat(B)
-    f = lambda: op(iq, iw, None, codes, scales, rows, cu, req, qpos, cpos, k)  # noqa: E731
-    print(f"decode step: 8 requests x 2,048: {best_ms(f):.3f} ms, checksum {int(f().sum())}")
-
-
-if __name__ == "__main__":
-    main()
+    report("decode step: 8 requests x 2,048", lambda: op(iq, iw, None, codes, scales, rows, cu, req, qpos, cpos, k))
+    return {"threads": 1, "top_k": k, "cases": cases}

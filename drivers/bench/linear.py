@@ -2,7 +2,7 @@
 kernel the fast CPU backend runs), on 1 and 2 threads, with weights read cold from memory (each
 call takes the next of 64 copies, 16-128 MB in all), beside this machine's streaming read speed:
 
-    .venv/bin/python scripts/bench_linear.py [--json docs/bench/bench_linear.json]
+    cedar bench linear --json docs/bench/bench_linear.json
 
 Shapes: the shipped model's projections (hidden 256, FFN 512, vocab 2,048) at 1 and 8 rows
 (batch 1 and 8). Per case the best of 5 rounds of 200 calls, in microseconds and GB/s of weight
@@ -10,8 +10,6 @@ read. Run it with the cores quiet (no training beside it)."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import platform
 import time
 
@@ -48,12 +46,10 @@ def read_gb_s(threads: int) -> float:
     return 16 * (16 << 20) / best / 1e9
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", default=None, help="also write the figures here")
-    a = ap.parse_args()
+def run_linear_bench() -> dict:
+    """-> {"machine", "read_gb_s": {"1", "2"}, "cases": [{threads, rows, out, in, mkl_us, cedar_us, ...}]}."""
     if not cpu_ext.available():
-        raise SystemExit("the C++ CPU kernels are not built here")
+        raise RuntimeError("the C++ CPU kernels are not built here")
     cases = []
     for threads in (1, 2):
         torch.set_num_threads(threads)
@@ -72,10 +68,4 @@ def main() -> None:
     report = {"machine": {"platform": platform.platform(), "cpu": torch.backends.cpu.get_cpu_capability()},
               "read_gb_s": {"1": round(read_gb_s(1), 1), "2": round(read_gb_s(2), 1)}, "cases": cases}
     print("streaming read:", report["read_gb_s"], "GB/s (1 / 2 threads)")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(report, f, indent=1)
-
-
-if __name__ == "__main__":
-    main()
+    return report

@@ -1,8 +1,8 @@
 """Keep a finished training stage across sessions: its weights in the repo, in float16.
 
-    .venv/bin/python scripts/stage_checkpoint.py save MODEL_DIR training/checkpoints/NAME.safetensors \
+    cedar stage save MODEL_DIR training/checkpoints/NAME.safetensors \
         [--note TEXT]
-    .venv/bin/python scripts/stage_checkpoint.py restore training/checkpoints/NAME.safetensors MODEL_DIR \
+    cedar stage restore training/checkpoints/NAME.safetensors MODEL_DIR \
         [--like models/cedar-agent]
 
 Why: issue 21's training chain takes longer than one session, and a session's `runs/` (git-ignored,
@@ -62,8 +62,7 @@ def restore(ckpt: Path, model_dir: Path, like: Path) -> None:
     print(f"restored {ckpt} to {model_dir}")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("save")
     s.add_argument("model_dir", type=Path)
@@ -73,12 +72,11 @@ def main() -> None:
     r.add_argument("ckpt", type=Path)
     r.add_argument("model_dir", type=Path)
     r.add_argument("--like", type=Path, default=Path("models/cedar-agent"))
-    a = ap.parse_args()
+
+
+def run(a: argparse.Namespace) -> int:
     if a.cmd == "save":
         save(a.model_dir, a.out, a.note)
     else:
         restore(a.ckpt, a.model_dir, a.like)
-
-
-if __name__ == "__main__":
-    main()
+    return 0
