@@ -137,7 +137,7 @@ def _cmd_bench_step(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench_kernel(args: argparse.Namespace, run) -> int:
+def _cmd_bench_report(args: argparse.Namespace, run) -> int:
     try:
         report = run()
     except RuntimeError as e:
@@ -151,13 +151,19 @@ def _cmd_bench_kernel(args: argparse.Namespace, run) -> int:
 def _cmd_bench_linear(args: argparse.Namespace) -> int:
     from .bench.linear import run_linear_bench
 
-    return _cmd_bench_kernel(args, run_linear_bench)
+    return _cmd_bench_report(args, run_linear_bench)
 
 
 def _cmd_bench_indexer(args: argparse.Namespace) -> int:
     from .bench.indexer_kernel import run_indexer_bench
 
-    return _cmd_bench_kernel(args, run_indexer_bench)
+    return _cmd_bench_report(args, run_indexer_bench)
+
+
+def _cmd_bench_idle(args: argparse.Namespace) -> int:
+    from .bench.idle import run_idle_probe
+
+    return _cmd_bench_report(args, lambda: run_idle_probe(args.model, args.rounds))
 
 
 def _add_bench(sub) -> None:
@@ -208,6 +214,12 @@ def _add_bench(sub) -> None:
         s = kinds.add_parser(name, help=help_)
         s.add_argument("--json", default=None, help="also write the figures here")
         s.set_defaults(fn=fn)
+    s = kinds.add_parser("idle", help="what --sleep-on-idle changes: idle CPU, short-prompt latency, decode "
+                         "(servers alternating)")
+    s.add_argument("--model", default="models/cedar-tiny")
+    s.add_argument("--rounds", type=int, default=2)
+    s.add_argument("--json", default=None, help="also write the figures here")
+    s.set_defaults(fn=_cmd_bench_idle)
     agents_cli.register(kinds)  # `cedar bench agents`: the agent-load matrix
 
 

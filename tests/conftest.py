@@ -77,7 +77,7 @@ def start_server(model_dir: Path, *extra: str, **kw):
     from cedar.backend.serving.process import ServerProcess, free_port
 
     # NOTE: an idle SGLang scheduler busy-polls a whole core (101% CPU idle, 1% with the flag,
-    # `scripts/idle_probe.py`); the tests run a server beside the reference model and sometimes a
+    # `cedar bench idle`); the tests run a server beside the reference model and sometimes a
     # second server on 2 cores. Not a serving default: a sleeping scheduler answers a sparse
     # request a few ms later and decoded ~5% slower in the same probe.
     cfg = ServeConfig(model=str(model_dir), port=free_port(), extra=("--sleep-on-idle", *extra), **kw)

@@ -2,16 +2,15 @@
 short prompt's latency and decode speed, alternating servers with and without the flag (the
 tests pass it; `cedar serve` does not by default).
 
-    .venv/bin/python scripts/idle_probe.py [--model models/cedar-tiny] [--rounds 2]
+    cedar bench idle [--model models/cedar-tiny] [--rounds 2] [--json OUT]
 
-Prints one JSON line per server run: idle CPU % of the server's process tree over 5 s, the median
+Prints one JSON line per server run (and with --json writes them all as one report): idle CPU % of the server's process tree over 5 s, the median
 latency of 25 one-token requests on 64-token prompts sent 0.2 s apart, and decode tokens/s of
 three 64-token generations after 512-token prompts.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -57,15 +56,11 @@ def probe(model: str, sleep_on_idle: bool) -> dict:
             "decode_tok_s": [round(d, 1) for d in decode]}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="models/cedar-tiny")
-    ap.add_argument("--rounds", type=int, default=2)
-    args = ap.parse_args()
-    for _ in range(args.rounds):
+def run_idle_probe(model: str, rounds: int) -> dict:
+    """Alternating servers without and with ``--sleep-on-idle``, ``rounds`` times: {"runs": [...]}."""
+    runs = []
+    for _ in range(rounds):
         for flag in (False, True):
-            print(json.dumps(probe(args.model, flag)), flush=True)
-
-
-if __name__ == "__main__":
-    main()
+            runs.append(probe(model, flag))
+            print(json.dumps(runs[-1]), flush=True)
+    return {"model": model, "runs": runs}
