@@ -254,16 +254,21 @@ class ValueCases:
         rng = random.Random(f"{self.pc.seed}:value:{distance}:{c}")
         if c % 2 == 0:  # a number for get_record(id)
             value = str(rng.randrange(100, 1_000_000))
-            user = rng.choice(("Fetch the record with id={v} please.", "I need record #{v}: what does it say?",
-                               "Please get the record (id:{v}) and tell me its status."))
-            name, args = "get_record", '{"id":' + value + "}"
+            # NOTE: the number after a space, as in the call (`"id": 52`): this tokenizer merges a
+            # space with the digits after it, so `id=52` would state other tokens than the copy
+            user = rng.choice(("Fetch the record with id {v} please.", "I need record number {v}: what does it say?",
+                               "Please get the record (id {v}) and tell me its status."))
+            name, args = "get_record", {"id": int(value)}
         else:  # a made-up word for lookup(name)
             value = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3)))
             user = rng.choice(('Look up the entry named "{v}".', 'What do the notes say about "{v}"?',
                                'Find "{v}" for me, please.'))
-            name, args = "lookup", '{"name":"' + value + '"}'
+            name, args = "lookup", {"name": value}
         head = self.encode(BOS + ROLE_MARKERS["system"] + system_text(None, _TOOLS) + END)
         user_ids, a, b = self.span(ROLE_MARKERS["user"] + user.format(v=value) + END, value)
+        # NOTE: the arguments as json.dumps writes them (`{"id": 52}`), as the chat template and every
+        # training call do: `{"id":52}` (no space) put the value's first token where the model had
+        # only ever seen a space there
         call_ids, ca, cb = self.span(ROLE_MARKERS["assistant"] + tool_call_text(name, args) + END, value)
         base = len(user_ids) - b + ca
         rounds: list[int] = []
