@@ -282,14 +282,17 @@ def test_keyed_rows_answer_each_query_with_the_value_stated_for_its_key():
     assert far > 20  # lookups beyond the 128-token window
 
 
+def _loss_case(cfg):
+    """A random model's forward and one 256-token row of random ids, every token an assistant's."""
+    ids = torch.randint(8, 500, (1, 256), generator=torch.Generator().manual_seed(1))
+    return (DenseForward(random_model(cfg, 2)), ids, torch.zeros(1, 256, dtype=torch.long),
+            torch.ones(1, 256, dtype=torch.uint8))
+
+
 def test_value_start_tokens_are_weighed_by_value_start_weight(small_corpus):
     from cedar.training.trainer import VALUE_START, loss_of
 
-    _, cfg = small_corpus
-    fwd = DenseForward(random_model(cfg, 2))
-    ids = torch.randint(8, 500, (1, 256), generator=torch.Generator().manual_seed(1))
-    doc = torch.zeros(1, 256, dtype=torch.long)
-    w = torch.ones(1, 256, dtype=torch.uint8)
+    fwd, ids, doc, w = _loss_case(small_corpus[1])
     w[0, 100:110] = VALUE_START
     with torch.no_grad():
         even, _ = loss_of(fwd, ids, doc, w, Plan(), TrainConfig(aux_weight=0.0))
@@ -308,11 +311,7 @@ def test_value_start_tokens_are_weighed_by_value_start_weight(small_corpus):
 def test_untrained_tokens_carry_no_loss(small_corpus):
     from cedar.training.trainer import UNTRAINED, loss_of
 
-    _, cfg = small_corpus
-    fwd = DenseForward(random_model(cfg, 2))
-    ids = torch.randint(8, 500, (1, 256), generator=torch.Generator().manual_seed(1))
-    doc = torch.zeros(1, 256, dtype=torch.long)
-    w = torch.ones(1, 256, dtype=torch.uint8)
+    fwd, ids, doc, w = _loss_case(small_corpus[1])
     tc = TrainConfig(aux_weight=0.0)
     with torch.no_grad():
         full, _ = loss_of(fwd, ids, doc, w, Plan(), tc)
