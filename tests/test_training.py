@@ -361,3 +361,27 @@ def test_a_dense_step_reuses_its_attention_as_the_indexer_target(monkeypatch):
     assert grads.keys() == grads2.keys()
     for n in grads:
         assert torch.allclose(grads[n], grads2[n], rtol=1e-4, atol=1e-6), n
+
+
+def test_exchange_spans_cut_each_copying_request_and_answer_out_of_its_session():
+    """Every span runs from a user marker to the end of the assistant message that copies a
+    value, within one session; a request answered without a copy, or in another session, is not
+    cut; one span per request (to its last copying answer), none overlapping."""
+    from cedar.training.trainer import VALUE_START, exchange_spans, pack_pieces
+
+    U, E, A = 1, 2, 3  # user marker, end, assistant marker
+    # session 0: system, a request whose answer copies (VALUE_START), a tool turn, a second copy;
+    #            then a request answered without a copy
+    # session 1: a value copied in an answer whose user message lies in session 0 (never cut)
+    toks = [(9, 0), (U, 0), (40, 0), (E, 0), (A, 0), (50, VALUE_START), (51, 1), (E, 1),
+            (7, 0), (E, 0), (A, 0), (52, VALUE_START), (E, 1),
+            (U, 0), (41, 0), (E, 0), (A, 0), (53, 1), (E, 1),
+            (A, 0), (54, VALUE_START), (E, 1)]
+    arrays = {"ids": np.array([t for t, _ in toks]), "weight": np.array([w for _, w in toks], np.uint8),
+              "doc_start": np.array([0, 19, 22])}
+    assert exchange_spans(arrays, U, E, 2048) == [(1, 13)]
+    assert exchange_spans(arrays, U, E, 8) == [(1, 8)]  # the longest that fits a row
+    assert exchange_spans(arrays, U, E, 6) == []
+    rows = pack_pieces([(0, 5), (10, 13), (20, 30)], 16)
+    assert sorted(p for r in rows for p in r) == [(0, 5), (10, 13), (20, 30)]
+    assert all(sum(b - a + (b - a) % 2 for a, b in r) <= 16 for r in rows)

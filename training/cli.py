@@ -23,7 +23,7 @@ import torch
 
 from cedar.backend.geometries import cedar_agent
 from cedar.backend.model_io import save_model
-from cedar.backend.tokenizer import TOKENIZER_FILES, build_tokenizer, generation_eos_token_ids, special_token_ids
+from cedar.backend.tokenizer import END, ROLE_MARKERS, TOKENIZER_FILES, build_tokenizer, generation_eos_token_ids, special_token_ids
 from cedar.training.probes import QUICK, ProbeConfig, ProbeSuite
 from cedar.training.trainer import TrainConfig, bf16_is_native, train
 
@@ -119,7 +119,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                      warmup=warmup, checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
                      bf16=args.bf16, init=args.init or "", copy_share=args.copy_share,
                      recall_share=args.recall_share, context_weight=args.context_weight,
-                     dense_share=args.dense_share, keyed_share=args.keyed_share,
+                     dense_share=args.dense_share, keyed_share=args.keyed_share, exchange_share=args.exchange_share,
                      value_start_weight=args.value_start_weight)
     if args.export:  # the latest checkpoint as a model folder, no training
         from cedar.training.trainer import CHECKPOINT, init_model
@@ -132,7 +132,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return 0
     t = time.time()
     probes = None if args.no_probes else ProbeSuite(cfg, _probe_config(args), tokenizer_dir=model_dir)
-    model, curve = train(cfg, arrays, held, tc, out, progress=not args.no_progress, probes=probes)
+    markers = (ids[ROLE_MARKERS["user"]], ids[END])
+    model, curve = train(cfg, arrays, held, tc, out, progress=not args.no_progress, probes=probes, markers=markers)
     save_model(model, model_dir)
     summary = {"command": "cedar " + " ".join(sys.argv[1:]), "geometry": cfg.name,
                "parameters": sum(p.numel() for p in model.parameters()), "steps": tc.steps,
@@ -172,6 +173,9 @@ def register(sub) -> None:
                    help="of the copy rows, the share that repeat strings at every distance (trainer.recall_row)")
     p.add_argument("--keyed-share", type=float, default=0.0,
                    help="of the copy rows that are not recall rows, the share of key-value lookups (trainer.keyed_row)")
+    p.add_argument("--exchange-share", type=float, default=0.0,
+                   help="chance that a step's first row packs the corpus's value-copying exchanges, cut out of "
+                        "their sessions (a short-context copy curriculum in the agent format)")
     p.add_argument("--value-start-weight", type=float, default=TrainConfig.value_start_weight,
                    help="loss weight of the first token of a copied value (the token that picks the span)")
     p.add_argument("--context-weight", type=float, default=TrainConfig.context_weight,

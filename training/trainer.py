@@ -54,6 +54,7 @@ class TrainConfig:
     recall_share: float = 0.0  # of those copy rows, the share that are recall rows (see recall_row)
     copy_vocab: tuple[int, int] = (8, 2046)  # token ids copy rows draw from (no special tokens)
     keyed_share: float = 0.0  # of the copy rows that are not recall rows, the share that are keyed rows
+    exchange_share: float = 0.0  # chance that a step's first row packs value-copying exchanges (exchange_spans)
     value_start_weight: float = 1.0  # loss weight of a VALUE_START token (other assistant tokens: 1)
 
 
@@ -79,7 +80,36 @@ def pack_rows(doc_start: np.ndarray, seq_len: int) -> list[list[tuple[int, int]]
     for a, b in zip(doc_start[:-1].tolist(), doc_start[1:].tolist()):
         for s in range(a, b, seq_len):
             pieces.append((s, min(b, s + seq_len)))
-    pieces.sort(key=lambda p: p[0] - p[1])  # longest first
+    return pack_pieces(pieces, seq_len)
+
+
+def exchange_spans(arrays: dict, user_id: int, end_id: int, seq_len: int) -> list[tuple[int, int]]:
+    """The corpus's exchanges that copy a value, cut out of their sessions: from the marker of the
+    user message before a VALUE_START token to the end of the assistant message holding it (the
+    request, any turns between, the call), at most ``seq_len`` tokens, without the system prompt
+    and the turns before. Packed many to a row they are the short-context copy curriculum in the
+    agent format itself (``exchange_share``): several value starts per hundred tokens, where a
+    whole session has a few per thousand. -> sorted (start, end) token ranges, end exclusive."""
+    ids, w, starts = arrays["ids"], arrays["weight"], arrays["doc_start"]
+    at = np.flatnonzero(w == VALUE_START)
+    users = np.flatnonzero(ids == user_id)
+    ends = np.flatnonzero((ids == end_id) & (w == 1))  # an assistant message's end
+    u = np.searchsorted(users, at) - 1
+    e = np.searchsorted(ends, at)
+    keep = (u >= 0) & (e < len(ends))
+    at, u, e = at[keep], users[u[keep]], ends[e[keep]] + 1
+    same_doc = np.searchsorted(starts, u, side="right") == np.searchsorted(starts, e - 1, side="right")
+    keep = same_doc & (e - u <= seq_len)
+    last: dict[int, int] = {}  # NOTE: one span per user message, to its last copying answer (no overlaps)
+    for a, b in zip(u[keep].tolist(), e[keep].tolist()):
+        last[a] = max(b, last.get(a, b))
+    return sorted(last.items())
+
+
+def pack_pieces(pieces: list[tuple[int, int]], seq_len: int) -> list[list[tuple[int, int]]]:
+    """First-fit packing of (start, end) token ranges of at most seq_len tokens into rows, each
+    at an even offset, longest first."""
+    pieces = sorted(pieces, key=lambda p: p[0] - p[1])  # longest first
     rows: list[list[tuple[int, int]]] = []
     free: list[int] = []
     for a, b in pieces:
@@ -297,8 +327,9 @@ def lr_at(tc: TrainConfig, step: int) -> float:
 
 def train(cfg: CEDConfig, arrays: dict, heldout: dict | None, tc: TrainConfig, out: Path,
           progress: bool = True, until: int | None = None,
-          probes: ProbeSuite | None = None) -> tuple[CEDModel, dict]:
+          probes: ProbeSuite | None = None, markers: tuple[int, int] | None = None) -> tuple[CEDModel, dict]:
     """Train (or resume from ``out/checkpoint.pt``) and return the model and the curve.
+    ``markers``: the user-message and end token ids, which ``tc.exchange_share`` needs.
     ``until``: stop after that step (checkpointed), as an interrupted run would. At every eval
     (each ``tc.eval_every`` steps and the last) the held-out loss goes to ``curve["heldout"]``
     (with ``heldout`` given) and the copy probes' figures to ``curve["probes"]`` (with
@@ -329,6 +360,13 @@ def train(cfg: CEDConfig, arrays: dict, heldout: dict | None, tc: TrainConfig, o
         curve, start = state["curve"], state["step"]
         curve.setdefault("probes", [])  # a checkpoint written before the probes existed
     rows = pack_rows(arrays["doc_start"], tc.seq_len)
+    exchanges: list[list[tuple[int, int]]] = []
+    if tc.exchange_share:
+        if markers is None:
+            raise ValueError("exchange_share needs the user and end marker ids (train(markers=...))")
+        exchanges = pack_pieces(exchange_spans(arrays, *markers, tc.seq_len), tc.seq_len)
+        if not exchanges:
+            raise ValueError("exchange_share: the corpus has no exchange that copies a value (no VALUE_START)")
     order = random.Random(f"{tc.seed}:order")
     perm: list[int] = []
     while len(perm) < tc.steps * tc.batch:
@@ -345,6 +383,10 @@ def train(cfg: CEDConfig, arrays: dict, heldout: dict | None, tc: TrainConfig, o
         ids, doc, w = make_batch(arrays, rows, perm[step * tc.batch:(step + 1) * tc.batch], tc.seq_len, cfg.pad_token_id)
         if tc.copy_share and random.Random(f"{tc.seed}:copy-step:{step}").random() < tc.copy_share:
             ids[-1], doc[-1], w[-1] = synthetic_row(tc, step, tc.seq_len)
+        pick = random.Random(f"{tc.seed}:exchange-step:{step}")
+        if exchanges and pick.random() < tc.exchange_share:
+            ids[0], doc[0], w[0] = (x[0] for x in make_batch(arrays, exchanges, [pick.randrange(len(exchanges))],
+                                                             tc.seq_len, cfg.pad_token_id))
         plan = step_plan(tc, step, tc.seq_len, cfg.sliding_window)
         loss, plain = loss_of(fwd, ids, doc, w, plan, tc)
         opt.zero_grad(set_to_none=True)
