@@ -221,8 +221,11 @@ _SYLLABLES = ("ka", "zo", "rin", "vel", "tu", "mar", "qi", "bex", "lo", "dra", "
 _TOOLS = [
     {"type": "function", "function": {"name": "get_record", "description": "Fetch a record by its id.",
      "parameters": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}}},
-    {"type": "function", "function": {"name": "lookup", "description": "Look up an entry by name.",
-     "parameters": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}}},
+    # NOTE: not a parameter called `name`: every schema above writes `"name": "<function>"`, the same
+    # three tokens a call writes before that argument, and a model that matches them copies a
+    # function name from the tool list instead of the request's value (measured: 0/20 strings)
+    {"type": "function", "function": {"name": "lookup", "description": "Look a note up by its entry.",
+     "parameters": {"type": "object", "properties": {"entry": {"type": "string"}}, "required": ["entry"]}}},
     {"type": "function", "function": {"name": "search", "description": "Search the notes.",
      "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}},
 ]
@@ -259,11 +262,11 @@ class ValueCases:
             user = rng.choice(("Fetch the record with id {v} please.", "I need record number {v}: what does it say?",
                                "Please get the record (id {v}) and tell me its status."))
             name, args = "get_record", {"id": int(value)}
-        else:  # a made-up word for lookup(name)
+        else:  # a made-up word for lookup(entry)
             value = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3)))
-            user = rng.choice(('Look up the entry named "{v}".', 'What do the notes say about "{v}"?',
-                               'Find "{v}" for me, please.'))
-            name, args = "lookup", {"name": value}
+            user = rng.choice(('Look up the entry "{v}".', 'What do the notes say about the entry "{v}"?',
+                               'Find the entry "{v}" for me, please.'))
+            name, args = "lookup", {"entry": value}
         head = self.encode(BOS + ROLE_MARKERS["system"] + system_text(None, _TOOLS) + END)
         user_ids, a, b = self.span(ROLE_MARKERS["user"] + user.format(v=value) + END, value)
         # NOTE: the arguments as json.dumps writes them (`{"id": 52}`), as the chat template and every
