@@ -74,6 +74,8 @@ def probes_table(probes: dict | None) -> str:
             rows.append("| whole value right | " + " | ".join(f"{probes['value_exact'][d]:.2f}" for d in value) + " |")
         if probes.get("value_first"):
             rows.append("| value's first token right | " + " | ".join(f"{probes['value_first'][d]:.2f}" for d in value) + " |")
+    rows += ["", "(As the probes stood when the run ended; `cedar train --probe-only MODEL_DIR` scores a model folder "
+             "with today's.)"]
     return "\n".join(rows)
 
 
