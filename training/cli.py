@@ -24,6 +24,7 @@ import torch
 from cedar.backend.geometries import cedar_agent
 from cedar.backend.model_io import save_model
 from cedar.backend.tokenizer import END, ROLE_MARKERS, TOKENIZER_FILES, build_tokenizer, generation_eos_token_ids, special_token_ids
+from cedar.training import curriculum, stages
 from cedar.training.probes import QUICK, ProbeConfig, ProbeSuite
 from cedar.training.trainer import TrainConfig, bf16_is_native, train
 
@@ -190,8 +191,6 @@ def register(sub) -> None:
     p.add_argument("--json", help="with --probe-only: write the probe figures here")
     p.add_argument("--probe-quick", action="store_true", help="fewer probe cases, gaps and distances (a smoke run)")
     p.set_defaults(fn=_cmd_train)
-    from . import curriculum, stages
-
     p = sub.add_parser("curriculum", help=curriculum.__doc__.split("\n")[0])
     curriculum.add_arguments(p)
     p.set_defaults(fn=curriculum.run)

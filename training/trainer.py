@@ -97,7 +97,7 @@ def exchange_spans(arrays: dict, user_id: int, end_id: int, seq_len: int) -> lis
     u = np.searchsorted(users, at) - 1
     e = np.searchsorted(ends, at)
     keep = (u >= 0) & (e < len(ends))
-    at, u, e = at[keep], users[u[keep]], ends[e[keep]] + 1
+    u, e = users[u[keep]], ends[e[keep]] + 1
     same_doc = np.searchsorted(starts, u, side="right") == np.searchsorted(starts, e - 1, side="right")
     keep = same_doc & (e - u <= seq_len)
     last: dict[int, int] = {}  # NOTE: one span per user message, to its last copying answer (no overlaps)
@@ -385,8 +385,9 @@ def train(cfg: CEDConfig, arrays: dict, heldout: dict | None, tc: TrainConfig, o
             ids[-1], doc[-1], w[-1] = synthetic_row(tc, step, tc.seq_len)
         pick = random.Random(f"{tc.seed}:exchange-step:{step}")
         if exchanges and pick.random() < tc.exchange_share:
-            ids[0], doc[0], w[0] = (x[0] for x in make_batch(arrays, exchanges, [pick.randrange(len(exchanges))],
-                                                             tc.seq_len, cfg.pad_token_id))
+            e_ids, e_doc, e_w = make_batch(arrays, exchanges, [pick.randrange(len(exchanges))], tc.seq_len,
+                                           cfg.pad_token_id)
+            ids[0], doc[0], w[0] = e_ids[0], e_doc[0], e_w[0]
         plan = step_plan(tc, step, tc.seq_len, cfg.sliding_window)
         loss, plain = loss_of(fwd, ids, doc, w, plan, tc)
         opt.zero_grad(set_to_none=True)

@@ -4,9 +4,9 @@ tests pass it; `cedar serve` does not by default).
 
     cedar bench idle [--model models/cedar-tiny] [--rounds 2] [--json OUT]
 
-Prints one JSON line per server run (and with --json writes them all as one report): idle CPU % of the server's process tree over 5 s, the median
-latency of 25 one-token requests on 64-token prompts sent 0.2 s apart, and decode tokens/s of
-three 64-token generations after 512-token prompts.
+Prints one JSON line per server run (with --json, all of them as one report): idle CPU % of the
+server's process tree over 5 s, the median latency of 25 one-token requests on 64-token prompts
+sent 0.2 s apart, and decode tokens/s of three 64-token generations after 512-token prompts.
 """
 
 from __future__ import annotations
