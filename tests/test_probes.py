@@ -137,3 +137,14 @@ def test_the_value_probe_scores_the_first_value_token_apart():
     induction = suite.run_forward(lambda b: copier(b, cfg.vocab_size))
     assert all(induction["value_first"][d] < 1.0 for d in ("32", "256")), induction
     assert all(induction["value_first"][d] <= induction["value"][d] for d in ("32", "256")), induction
+
+
+def test_probe_cases_sets_how_many_cases_each_gap_and_distance_gets():
+    from cedar.cli import build_parser
+    from cedar.training.cli import _probe_config
+
+    parse = build_parser("train").parse_args
+    assert _probe_config(parse(["train", "--probe-only", "m"])).cases == ProbeConfig().cases
+    assert _probe_config(parse(["train", "--probe-only", "m", "--probe-cases", "24"])).cases == 24
+    quick = _probe_config(parse(["train", "--probe-only", "m", "--probe-quick", "--probe-cases", "3"]))
+    assert quick.cases == 3 and quick.gaps != ProbeConfig().gaps  # the quick grid, with 3 cases

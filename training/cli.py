@@ -16,6 +16,7 @@ import argparse
 import sys
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -62,7 +63,8 @@ def prepare(out: Path, seed: int, scale: float, log=print) -> tuple[dict, dict]:
 
 
 def _probe_config(args: argparse.Namespace) -> ProbeConfig:
-    return QUICK if args.probe_quick else ProbeConfig()
+    pc = QUICK if args.probe_quick else ProbeConfig()
+    return replace(pc, cases=args.probe_cases) if args.probe_cases else pc
 
 
 def _cmd_probe(args: argparse.Namespace) -> int:
@@ -189,6 +191,8 @@ def register(sub) -> None:
     p.add_argument("--probe-only", metavar="MODEL_DIR",
                    help="run the copy probes on a model folder and exit (no training; see --json)")
     p.add_argument("--json", help="with --probe-only: write the probe figures here")
+    p.add_argument("--probe-cases", type=int, default=None,
+                   help="cases per gap and per value distance (default 4: seconds per eval; 24 for figures to quote)")
     p.add_argument("--probe-quick", action="store_true", help="fewer probe cases, gaps and distances (a smoke run)")
     p.set_defaults(fn=_cmd_train)
     p = sub.add_parser("curriculum", help=curriculum.__doc__.split("\n")[0])
