@@ -120,10 +120,11 @@ def test_fused_indexer_topk_on_float_keys_equals_twin():
     gen = torch.Generator().manual_seed(8)
     cu_q, cu_c, q_pos, c_pos = global_batch(gen, [1, 5, 200], [3, 0, 150])
     T, Nc = int(cu_q[-1]), int(cu_c[-1])
-    iq, iw, ik = torch.randn(T, HI, DI, generator=gen), torch.randn(T, HI, generator=gen), torch.randn(Nc, DI, generator=gen)
-    scores = sparse_attention_ref.indexer_scores(iq, iw, ik, cu_q, cu_c, q_pos, c_pos)
-    for k in (1, 16, 200):
-        assert_valid_topk(sparse_attention_fast.indexer_topk(iq, iw, ik, cu_q, cu_c, q_pos, c_pos, k), scores, k)
+    for di in (DI, 12):  # 12: a head size the lane-major layout does not take (the per-entry dots)
+        iq, iw, ik = torch.randn(T, HI, di, generator=gen), torch.randn(T, HI, generator=gen), torch.randn(Nc, di, generator=gen)
+        scores = sparse_attention_ref.indexer_scores(iq, iw, ik, cu_q, cu_c, q_pos, c_pos)
+        for k in (1, 16, 200):
+            assert_valid_topk(sparse_attention_fast.indexer_topk(iq, iw, ik, cu_q, cu_c, q_pos, c_pos, k), scores, k)
 
 
 def test_topk_ties_nonfinite_and_short_rows_equal_twin():
@@ -222,9 +223,9 @@ def test_pool_indexer_and_sparse_attention_equal_twins_on_dequantized_rows():
 
 @needs_ext
 def test_pool_indexer_scores_a_requests_rows_together_exactly_as_each_alone():
-    """A prefill's rows of one request are scored 4 at a time over keys dequantized once per
-    request: the top-k equals, bit for bit, the kernel run on each row alone (and is a valid
-    top-k of the twin's scores). Rows split into blocks with short tails, requests interleave
+    """A prefill's rows of one request are scored over keys dequantized once per request, laid
+    out 8 entries a vector (lane-major): the top-k equals, bit for bit, the kernel run on each row
+    alone (and is a valid top-k of the twin's scores). Rows split into blocks with short tails, requests interleave
     within a chunk, and a row's visible entries grow with its position (some see none)."""
     gen = torch.Generator().manual_seed(6)
     c_lens, q_lens, ratio = [300, 5, 120], [37, 3, 10], 2

@@ -114,57 +114,31 @@ inline void dots(const float* q, int64_t H, const float* k, int64_t D, float* ou
   for (int64_t h = 0; h < H; ++h) out[h] = dot(q + h * D, k, D);
 }
 
-// out[r * H + h] = dot(q[r] + h * D, k, D) for kRowBlock query rows: one read of the key row for
-// all of them; each sum in dots()'s order (so the same bits as dots() row by row).
-constexpr int64_t kRowBlock = 4;
-
-template <int H>
-inline void dots_rows_n(const float* const* q, const float* k, int64_t D, float* out) {
-  v8 acc[kRowBlock][H];
-  for (int r = 0; r < kRowBlock; ++r)
-    for (int h = 0; h < H; ++h) acc[r][h] = v8{0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  for (int64_t i = 0; i < D; i += 8) {
-    const v8 kv = load8(k + i);
-    for (int r = 0; r < kRowBlock; ++r)
-      for (int h = 0; h < H; ++h) acc[r][h] += load8(q[r] + h * D + i) * kv;
-  }
-#ifdef __AVX__
-  if constexpr (kRowBlock * H == 8) {  // NOTE: the 8 reductions at once: transpose, then reduce8's tree lane-wise
-    __m256 r[8];
-    for (int j = 0; j < 8; ++j) std::memcpy(&r[j], &acc[j / H][j % H], sizeof(__m256));
-    const __m256 a0 = _mm256_unpacklo_ps(r[0], r[1]), a1 = _mm256_unpackhi_ps(r[0], r[1]);
-    const __m256 a2 = _mm256_unpacklo_ps(r[2], r[3]), a3 = _mm256_unpackhi_ps(r[2], r[3]);
-    const __m256 a4 = _mm256_unpacklo_ps(r[4], r[5]), a5 = _mm256_unpackhi_ps(r[4], r[5]);
-    const __m256 a6 = _mm256_unpacklo_ps(r[6], r[7]), a7 = _mm256_unpackhi_ps(r[6], r[7]);
-    const __m256 b0 = _mm256_shuffle_ps(a0, a2, 0x44), b1 = _mm256_shuffle_ps(a0, a2, 0xEE);
-    const __m256 b2 = _mm256_shuffle_ps(a1, a3, 0x44), b3 = _mm256_shuffle_ps(a1, a3, 0xEE);
-    const __m256 b4 = _mm256_shuffle_ps(a4, a6, 0x44), b5 = _mm256_shuffle_ps(a4, a6, 0xEE);
-    const __m256 b6 = _mm256_shuffle_ps(a5, a7, 0x44), b7 = _mm256_shuffle_ps(a5, a7, 0xEE);
-    // c_i[j] = lane i of accumulator j
-    const __m256 c0 = _mm256_permute2f128_ps(b0, b4, 0x20), c1 = _mm256_permute2f128_ps(b1, b5, 0x20);
-    const __m256 c2 = _mm256_permute2f128_ps(b2, b6, 0x20), c3 = _mm256_permute2f128_ps(b3, b7, 0x20);
-    const __m256 c4 = _mm256_permute2f128_ps(b0, b4, 0x31), c5 = _mm256_permute2f128_ps(b1, b5, 0x31);
-    const __m256 c6 = _mm256_permute2f128_ps(b2, b6, 0x31), c7 = _mm256_permute2f128_ps(b3, b7, 0x31);
-    const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(c0, c1), _mm256_add_ps(c2, c3)),
-                                     _mm256_add_ps(_mm256_add_ps(c4, c5), _mm256_add_ps(c6, c7)));
-    _mm256_storeu_ps(out, _mm256_add_ps(sum, _mm256_setzero_ps()));
-    return;
-  }
-#endif
-  for (int r = 0; r < kRowBlock; ++r)
-    for (int h = 0; h < H; ++h) out[r * H + h] = reduce8(acc[r][h]) + 0.f;
+// Index keys lane-major, 8 entries a block ([block][d][8]): the indexer scores 8 entries per vector
+// op. Each dot is summed exactly as dots() sums it (lane l's partial sums over i, then reduce8's
+// tree, lane-wise across the 8 entries), so a score is dots()'s bit for bit, and about 1.7x faster
+// than 8-accumulator dots per entry (the products stay in lanes: no transpose to reduce them).
+inline void put_key_lanes(const float* key, int64_t D, int64_t c, float* kt) {
+  float* blk = kt + (c / 8) * D * 8 + c % 8;
+  for (int64_t d = 0; d < D; ++d) blk[d * 8] = key[d];
 }
 
-inline void dots_rows(const float* const* q, int64_t H, const float* k, int64_t D, float* out) {
-  if (D % 8 == 0) {
-    switch (H) {
-      case 1: return dots_rows_n<1>(q, k, D, out);
-      case 2: return dots_rows_n<2>(q, k, D, out);
-      case 4: return dots_rows_n<4>(q, k, D, out);
-      default: break;
-    }
+// The scores of the 8 entries of a lane-major block for one query row: sum_h w[h] relu(q[h] . key)
+// over h in order from 0.f (the per-entry loop's order); D % 8 == 0.
+inline v8 index_scores8(const float* q, const float* w, int64_t H, const float* kt, int64_t D) {
+  const v8 zero = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  v8 acc = zero;
+  for (int64_t h = 0; h < H; ++h) {
+    const float* qh = q + h * D;
+    v8 s[8];
+    for (int l = 0; l < 8; ++l) s[l] = zero;
+    for (int64_t i = 0; i < D; i += 8)
+      for (int l = 0; l < 8; ++l) s[l] += (zero + qh[i + l]) * load8(kt + (i + l) * 8);
+    v8 d = (((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]))) + 0.f;
+    d = d < zero ? zero : d;  // std::max(d, 0.f), NaN and -0.f kept as it keeps them
+    acc += d * w[h];
   }
-  for (int64_t r = 0; r < kRowBlock; ++r) dots(q[r], H, k, D, out + r * H);
+  return acc;
 }
 
 // exp(x) for x <= 0 (a logit minus the row max) by Cody-Waite reduction and a degree-7 Taylor
@@ -412,53 +386,52 @@ at::Tensor indexer_topk(const at::Tensor& iq, const at::Tensor& iw, const c10::o
   const int64_t* vp = c_pos.data_ptr<int64_t>();
   const int64_t CB = codes.size(1), SB = scales.size(1), group = Di / SB;
   int32_t* ip = idx.data_ptr<int32_t>();
+  const bool lanes = Di % 8 == 0;
   at::parallel_for(0, T, kGrainRows, [&](int64_t t0, int64_t t1) {
-    // NOTE: a prefill's rows of one request read the same keys. Each chunk dequantizes a request's
-    // keys once, as far as its rows reach (a 4k hit + 16 replays 144 rows over 2k entries: the
-    // per-row dequantization was half of the indexer), and scores kRowBlock rows of a request
-    // per key read (the key row loaded once for all of them); every (row, head) dot is summed
-    // exactly as dots() sums it, so the scores and the top-k are the per-row ones, bit for bit
-    std::vector<float> keys, d(kRowBlock * Hi);
-    int64_t keys_req = -1, keys_n = 0;
-    std::vector<TopK> top(kRowBlock, TopK{k, {}});
-    for (int64_t t = t0; t < t1;) {
-      const int64_t b = qr[t], n = cu[b + 1] - cu[b];
-      int64_t R = 1;
-      while (R < kRowBlock && t + R < t1 && qr[t + R] == b) ++R;
-      int64_t vis[kRowBlock], reach = 0;  // entries visible to each row (a prefix: position order)
-      const float* q[kRowBlock];
-      for (int64_t r = 0; r < kRowBlock; ++r) {
-        vis[r] = 0;
-        q[r] = qp + (t + std::min(r, R - 1)) * Hi * Di;  // NOTE: a short block repeats its last row
-        if (r >= R) continue;
-        while (vis[r] < n && vp[cu[b] + vis[r]] <= pp[t + r]) ++vis[r];
-        reach = std::max(reach, vis[r]);
-        top[r].reset();
-      }
-      if (!kp && b != keys_req) keys_req = b, keys_n = 0;
-      if (!kp && keys_n < reach) {
-        if (int64_t(keys.size()) < reach * Di) keys.resize(std::max<int64_t>(2 * keys.size(), reach * Di));
-        for (; keys_n < reach; ++keys_n) {
-          const int64_t row = er[cu[b] + keys_n];
-          dequant_fp4(cp + row * CB, sp + row * SB, Di, group, false, keys.data() + keys_n * Di);
+    // NOTE: a prefill's rows of one request read the same keys: each chunk lays out (dequantizing
+    // from the pool, or copying given keys) a request's keys once, as far as its rows reach (a 4k
+    // hit + 16 replays 144 rows over 2k entries), lane-major where Di % 8 == 0; every score is
+    // the per-entry dots() one, so the scores and the top-k are the same bits row by row
+    std::vector<float> kt, sc, row(Di), d(Hi);
+    int64_t kt_req = -1, kt_n = 0;
+    TopK top{k, {}};
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = qr[t], c0 = cu[b];
+      // entries visible to the row: a prefix (entries in position order)
+      const int64_t vis = std::upper_bound(vp + c0, vp + cu[b + 1], pp[t]) - (vp + c0);
+      if (b != kt_req) kt_req = b, kt_n = 0;
+      if (kt_n < vis) {
+        const int64_t need = (vis + 7) / 8 * 8 * Di;
+        if (int64_t(kt.size()) < need) kt.resize(std::max<int64_t>(2 * kt.size(), need));
+        for (; kt_n < vis; ++kt_n) {
+          const float* key = kp ? kp + (c0 + kt_n) * Di : row.data();
+          if (!kp) dequant_fp4(cp + er[c0 + kt_n] * CB, sp + er[c0 + kt_n] * SB, Di, group, false, row.data());
+          if (lanes) {
+            put_key_lanes(key, Di, kt_n, kt.data());
+          } else {
+            std::memcpy(kt.data() + kt_n * Di, key, Di * sizeof(float));
+          }
         }
       }
-      for (int64_t c = 0; c < reach; ++c) {
-        const float* kc = kp ? kp + (cu[b] + c) * Di : keys.data() + c * Di;
-        if (R == 1) {  // NOTE: a decode step's row (one per request): no block to share the key read with
-          dots(q[0], Hi, kc, Di, d.data());
-        } else {
-          dots_rows(q, Hi, kc, Di, d.data());
+      const float* q = qp + t * Hi * Di;
+      const float* w = wp + t * Hi;
+      top.reset();
+      if (lanes) {  // NOTE: a block's lanes past `vis` hold other entries or stale keys: never offered
+        if (int64_t(sc.size()) < vis + 8) sc.resize(vis + 8);
+        for (int64_t c = 0; c < vis; c += 8) {
+          const v8 v = index_scores8(q, w, Hi, kt.data() + c * Di, Di);
+          std::memcpy(sc.data() + c, &v, sizeof(v));
         }
-        for (int64_t r = 0; r < R; ++r) {
-          if (c >= vis[r]) continue;
+        for (int64_t c = 0; c < vis; ++c) top.offer(sc[c], int32_t(c));
+      } else {
+        for (int64_t c = 0; c < vis; ++c) {
+          dots(q, Hi, kt.data() + c * Di, Di, d.data());
           float acc = 0.f;
-          for (int64_t h = 0; h < Hi; ++h) acc += std::max(d[r * Hi + h], 0.f) * wp[(t + r) * Hi + h];
-          top[r].offer(acc, int32_t(c));
+          for (int64_t h = 0; h < Hi; ++h) acc += std::max(d[h], 0.f) * w[h];
+          top.offer(acc, int32_t(c));
         }
       }
-      for (int64_t r = 0; r < R; ++r) top[r].write(ip + (t + r) * k);
-      t += R;
+      top.write(ip + t * k);
     }
   });
   return idx;
