@@ -123,6 +123,23 @@ inline void put_key_lanes(const float* key, int64_t D, int64_t c, float* kt) {
   for (int64_t d = 0; d < D; ++d) blk[d * 8] = key[d];
 }
 
+// An FP4 row into lane c % 8 of its lane-major block: dequant_fp4's values (each code's E2M1 value
+// times its group's scale: the same one multiply, here once per code value and group), written
+// in place. NOTE: a decode step dequantizes every visible index key once per row (~2x faster so)
+inline void dequant_fp4_lanes(const uint8_t* packed, const uint8_t* scales, int64_t D, int64_t group, bool e4m3,
+                              int64_t c, float* kt) {
+  float* blk = kt + (c / 8) * D * 8 + c % 8;
+  float tab[16];
+  for (int64_t g = 0; g < D / group; ++g) {
+    const float s = e4m3 ? lut().e4m3[scales[g]] : e8m0(scales[g]);
+    for (int n = 0; n < 16; ++n) tab[n] = kE2M1[n] * s;
+    for (int64_t j = g * group / 2; j < (g + 1) * group / 2; ++j) {
+      blk[(2 * j) * 8] = tab[packed[j] & 15];
+      blk[(2 * j + 1) * 8] = tab[packed[j] >> 4];
+    }
+  }
+}
+
 // The scores of the 8 entries of a lane-major block for one query row: sum_h w[h] relu(q[h] . key)
 // over h in order from 0.f (the per-entry loop's order); D % 8 == 0.
 inline v8 index_scores8(const float* q, const float* w, int64_t H, const float* kt, int64_t D) {
@@ -404,6 +421,10 @@ at::Tensor indexer_topk(const at::Tensor& iq, const at::Tensor& iw, const c10::o
         const int64_t need = (vis + 7) / 8 * 8 * Di;
         if (int64_t(kt.size()) < need) kt.resize(std::max<int64_t>(2 * kt.size(), need));
         for (; kt_n < vis; ++kt_n) {
+          if (!kp && lanes && group % 2 == 0) {
+            dequant_fp4_lanes(cp + er[c0 + kt_n] * CB, sp + er[c0 + kt_n] * SB, Di, group, false, kt_n, kt.data());
+            continue;
+          }
           const float* key = kp ? kp + (c0 + kt_n) * Di : row.data();
           if (!kp) dequant_fp4(cp + er[c0 + kt_n] * CB, sp + er[c0 + kt_n] * SB, Di, group, false, row.data());
           if (lanes) {
