@@ -252,6 +252,37 @@ def test_pool_indexer_scores_a_requests_rows_together_exactly_as_each_alone():
 
 
 @needs_ext
+def test_pool_indexer_dequantizes_exactly_as_the_twin():
+    """Index keys read from the FP4 pool in place (8 rows at a time where the CPU has AVX2, else
+    row by row) select exactly what the same keys dequantized by the twin select: the same floats
+    in, so the same scores, bit for bit. Every code, E8M0 scales from the smallest (a subnormal
+    2^-127) to NaN (0xFF: its keys score NaN and are never selected), entries counts that are
+    and are not multiples of 8, pool rows in any order, decode rows and a prefill's rows."""
+    gen = torch.Generator().manual_seed(9)
+    c_lens, q_lens = [1, 7, 8, 9, 64, 301], [1, 1, 1, 1, 1, 5]
+    n, R = sum(c_lens), sum(c_lens) + 40
+    codes = torch.randint(0, 256, (R, DI // 2), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(100, 140, (R, DI // INDEX_ROW.group), dtype=torch.uint8, generator=gen)
+    scales[:5, 0] = torch.tensor([0, 1, 254, 255, 127], dtype=torch.uint8)
+    perm = torch.randperm(R, generator=gen)[:n]
+    perm[:5] = torch.arange(5)  # the extreme scales are read
+    cu_c = torch.tensor([0, *torch.tensor(c_lens).cumsum(0).tolist()])
+    c_pos = torch.cat([torch.arange(c) * 2 + 1 for c in c_lens])
+    row_req = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
+    q_pos = torch.tensor([5, 20, 16, 100, 200, 590, 597, 600, 601, 700])
+    T = row_req.numel()
+    iq, iw = torch.randn(T, HI, DI, generator=gen), torch.randn(T, HI, generator=gen)
+    keys = fp4_ref.fp4_dequantize(codes[perm], scales[perm], INDEX_ROW)
+    assert keys[3].isnan().all() and not keys[4].isnan().any()
+    op = torch.ops.cedar_cpu.indexer_topk
+    for k in (1, 16, 64):
+        pool = op(iq, iw, None, codes, scales, perm, cu_c, row_req, q_pos, c_pos, k)
+        given = op(iq, iw, keys, codes, scales, perm, cu_c, row_req, q_pos, c_pos, k)
+        assert torch.equal(pool, given), k
+        assert (pool >= 0).sum().item() > 0
+
+
+@needs_ext
 def test_cpp_quantizers_are_bit_identical_to_the_twins():
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(300, D, generator=gen) * torch.logspace(-40, 38, 300)[:, None]

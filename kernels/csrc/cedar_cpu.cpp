@@ -140,6 +140,35 @@ inline void dequant_fp4_lanes(const uint8_t* packed, const uint8_t* scales, int6
   }
 }
 
+#ifdef __AVX2__
+// Eight FP4 rows (pool rows rows[0..8), CB bytes each) into one lane-major block: lane j of code d
+// is E2M1(code) * scale, the product dequant_fp4_lanes makes (the sign of codes 8-15 set on the
+// magnitude of 0-7: the same values, -0.f included). Four code bytes of the 8 rows per gather.
+// NOTE: group % 8 == 0 (a gather never straddles two scales), byte offsets below 2^31.
+inline void dequant_fp4_block8(const uint8_t* packed, int64_t CB, const uint8_t* scales, int64_t SB,
+                               const int64_t* rows, int64_t D, int64_t group, float* blk) {
+  const __m256 mags = _mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
+  const __m256i low4 = _mm256_set1_epi32(15);
+  alignas(32) int32_t off[8];
+  alignas(32) float sc[8];
+  for (int j = 0; j < 8; ++j) off[j] = int32_t(rows[j] * CB);
+  const __m256i voff = _mm256_load_si256(reinterpret_cast<const __m256i*>(off));
+  for (int64_t g = 0; g < D / group; ++g) {
+    for (int j = 0; j < 8; ++j) sc[j] = e8m0(scales[rows[j] * SB + g]);
+    const __m256 vs = _mm256_load_ps(sc);
+    for (int64_t b = g * group / 2; b < (g + 1) * group / 2; b += 4) {
+      const __m256i w = _mm256_i32gather_epi32(reinterpret_cast<const int*>(packed + b), voff, 1);
+      for (int q = 0; q < 8; ++q) {  // code 2 b + q: bits [4 q, 4 q + 4) of the little-endian word
+        const __m256i n = _mm256_and_si256(_mm256_srli_epi32(w, 4 * q), low4);
+        const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(n, 3), 31));
+        const __m256 v = _mm256_xor_ps(_mm256_permutevar8x32_ps(mags, n), sign);
+        _mm256_storeu_ps(blk + (2 * b + q) * 8, _mm256_mul_ps(v, vs));
+      }
+    }
+  }
+}
+#endif
+
 // The scores of the 8 entries of a lane-major block for one query row: sum_h w[h] relu(q[h] . key)
 // over h in order from 0.f (the per-entry loop's order); D % 8 == 0.
 inline v8 index_scores8(const float* q, const float* w, int64_t H, const float* kt, int64_t D) {
@@ -422,6 +451,13 @@ at::Tensor indexer_topk(const at::Tensor& iq, const at::Tensor& iw, const c10::o
         if (int64_t(kt.size()) < need) kt.resize(std::max<int64_t>(2 * kt.size(), need));
         for (; kt_n < vis; ++kt_n) {
           if (!kp && lanes && group % 2 == 0) {
+#ifdef __AVX2__
+            if (kt_n % 8 == 0 && kt_n + 8 <= vis && group % 8 == 0 && codes.numel() < (int64_t(1) << 31)) {
+              dequant_fp4_block8(cp, CB, sp, SB, er + c0 + kt_n, Di, group, kt.data() + kt_n * Di);
+              kt_n += 7;  // NOTE: the loop's ++kt_n makes it 8
+              continue;
+            }
+#endif
             dequant_fp4_lanes(cp + er[c0 + kt_n] * CB, sp + er[c0 + kt_n] * SB, Di, group, false, kt_n, kt.data());
             continue;
           }
