@@ -225,8 +225,8 @@ def test_pool_indexer_and_sparse_attention_equal_twins_on_dequantized_rows():
 def test_pool_indexer_scores_a_requests_rows_together_exactly_as_each_alone():
     """A prefill's rows of one request are scored over keys dequantized once per request, laid
     out 8 entries a vector (lane-major): the top-k equals, bit for bit, the kernel run on each row
-    alone (and is a valid top-k of the twin's scores). Rows split into blocks with short tails, requests interleave
-    within a chunk, and a row's visible entries grow with its position (some see none)."""
+    alone (and is a valid top-k of the twin's scores). Requests of several rows share a chunk, and
+    a row's visible entries grow with its position (some see none)."""
     gen = torch.Generator().manual_seed(6)
     c_lens, q_lens, ratio = [300, 5, 120], [37, 3, 10], 2
     R = sum(c_lens) + 10

@@ -144,7 +144,7 @@ inline void dequant_fp4_lanes(const uint8_t* packed, const uint8_t* scales, int6
 // Eight FP4 rows (pool rows rows[0..8), CB bytes each) into one lane-major block: lane j of code d
 // is E2M1(code) * scale, the product dequant_fp4_lanes makes (the sign of codes 8-15 set on the
 // magnitude of 0-7: the same values, -0.f included). Four code bytes of the 8 rows per gather.
-// NOTE: group % 8 == 0 (a gather never straddles two scales), byte offsets below 2^31.
+// NOTE: group % 8 == 0 and byte offsets below 2^31 (the caller's `gather8`).
 inline void dequant_fp4_block8(const uint8_t* packed, int64_t CB, const uint8_t* scales, int64_t SB,
                                const int64_t* rows, int64_t D, int64_t group, float* blk) {
   const __m256 mags = _mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
@@ -433,12 +433,15 @@ at::Tensor indexer_topk(const at::Tensor& iq, const at::Tensor& iw, const c10::o
   const int64_t CB = codes.size(1), SB = scales.size(1), group = Di / SB;
   int32_t* ip = idx.data_ptr<int32_t>();
   const bool lanes = Di % 8 == 0;
+  // NOTE: eight pool rows per gather: a gather never straddles two scales, offsets fit int32
+  const bool gather8 = group % 8 == 0 && codes.numel() < (int64_t(1) << 31);
   at::parallel_for(0, T, kGrainRows, [&](int64_t t0, int64_t t1) {
-    // NOTE: a prefill's rows of one request read the same keys: each chunk lays out (dequantizing
-    // from the pool, or copying given keys) a request's keys once, as far as its rows reach (a 4k
-    // hit + 16 replays 144 rows over 2k entries), lane-major where Di % 8 == 0; every score is
-    // the per-entry dots() one, so the scores and the top-k are the same bits row by row
-    std::vector<float> kt, sc, row(Di), d(Hi);
+    // NOTE: a prefill's rows of one request read the same keys: each chunk lays out a request's
+    // keys once (dequantized from the pool, or copied when given), as far as its rows reach (a 4k
+    // hit + 16 replays 144 rows over 2k entries), lane-major where Di % 8 == 0 (else given keys
+    // are read in place); every score is the per-entry dots() one, so the top-k is the same bits
+    // row by row
+    std::vector<float> kt, sc, d(Hi);
     int64_t kt_req = -1, kt_n = 0;
     TopK top{k, {}};
     for (int64_t t = t0; t < t1; ++t) {
@@ -449,25 +452,20 @@ at::Tensor indexer_topk(const at::Tensor& iq, const at::Tensor& iw, const c10::o
       if (kt_n < vis) {
         const int64_t need = (vis + 7) / 8 * 8 * Di;
         if (int64_t(kt.size()) < need) kt.resize(std::max<int64_t>(2 * kt.size(), need));
-        for (; kt_n < vis; ++kt_n) {
-          if (!kp && lanes && group % 2 == 0) {
+      }
+      for (; kt_n < vis; ++kt_n) {
+        const int64_t e = c0 + kt_n;
+        if (kp) {
+          if (lanes) put_key_lanes(kp + e * Di, Di, kt_n, kt.data());
+        } else if (!lanes) {
+          dequant_fp4(cp + er[e] * CB, sp + er[e] * SB, Di, group, false, kt.data() + kt_n * Di);
 #ifdef __AVX2__
-            if (kt_n % 8 == 0 && kt_n + 8 <= vis && group % 8 == 0 && codes.numel() < (int64_t(1) << 31)) {
-              dequant_fp4_block8(cp, CB, sp, SB, er + c0 + kt_n, Di, group, kt.data() + kt_n * Di);
-              kt_n += 7;  // NOTE: the loop's ++kt_n makes it 8
-              continue;
-            }
+        } else if (gather8 && kt_n % 8 == 0 && kt_n + 8 <= vis) {
+          dequant_fp4_block8(cp, CB, sp, SB, er + e, Di, group, kt.data() + kt_n * Di);
+          kt_n += 7;  // NOTE: the loop's ++kt_n makes it 8
 #endif
-            dequant_fp4_lanes(cp + er[c0 + kt_n] * CB, sp + er[c0 + kt_n] * SB, Di, group, false, kt_n, kt.data());
-            continue;
-          }
-          const float* key = kp ? kp + (c0 + kt_n) * Di : row.data();
-          if (!kp) dequant_fp4(cp + er[c0 + kt_n] * CB, sp + er[c0 + kt_n] * SB, Di, group, false, row.data());
-          if (lanes) {
-            put_key_lanes(key, Di, kt_n, kt.data());
-          } else {
-            std::memcpy(kt.data() + kt_n * Di, key, Di * sizeof(float));
-          }
+        } else {
+          dequant_fp4_lanes(cp + er[e] * CB, sp + er[e] * SB, Di, group, false, kt_n, kt.data());
         }
       }
       const float* q = qp + t * Hi * Di;
@@ -482,7 +480,7 @@ at::Tensor indexer_topk(const at::Tensor& iq, const at::Tensor& iw, const c10::o
         for (int64_t c = 0; c < vis; ++c) top.offer(sc[c], int32_t(c));
       } else {
         for (int64_t c = 0; c < vis; ++c) {
-          dots(q, Hi, kt.data() + c * Di, Di, d.data());
+          dots(q, Hi, kp ? kp + (c0 + c) * Di : kt.data() + c * Di, Di, d.data());
           float acc = 0.f;
           for (int64_t h = 0; h < Hi; ++h) acc += std::max(d[h], 0.f) * w[h];
           top.offer(acc, int32_t(c));
