@@ -459,6 +459,101 @@ def test_a_decode_steps_one_call_path_is_bit_identical_to_the_per_kernel_path(mo
     _assert_same_caches(cfg, pa, sa, pb, sb)
 
 
+def _mixed_extends(model):
+    """Multi-row forwards of every kind: three prefills in one forward (37, 130 and 64 tokens), a
+    chunk after each (a ring already written, a batch of 3), a chunk past the window, then two
+    prefix hits with 16 and 3 new tokens (replayed rows over a ring another request wrote) ->
+    (each forward's StepOutput, pools, slots)."""
+    from cedar.backend.serving.driver import Driver, Req
+
+    d = Driver(model, num_slots=8192, num_reqs=5)
+    reqs = [Req(f"r{b}", b, [8 + (7 * b + 3 * i) % 400 for i in range(n)]) for b, n in enumerate((37, 130, 64))]
+    outs = [d.run([(r, len(r.ids)) for r in reqs])]
+    for r, n in zip(reqs, (20, 5, 150)):
+        r.ids += [9 + (5 * i) % 300 for i in range(n)]
+    outs.append(d.run([(r, n) for r, n in zip(reqs, (20, 5, 150))]))
+    reqs[1].ids += [11 + i for i in range(200)]
+    outs.append(d.run([(reqs[1], 200)]))
+    for slot, (P, n) in enumerate(((300, 16), (212, 3)), start=3):
+        hit = Req(f"h{slot}", slot, reqs[1].ids[:P] + [17 + i for i in range(n)], token_slots=reqs[1].token_slots[:P])
+        outs.append(d.run([(hit, n)]))
+    # a new request on r2's slot, hitting its first 180 tokens (the slot is reset: r2's rows unread)
+    again = Req("r2b", 2, reqs[2].ids[:180] + [23 + i for i in range(40)], token_slots=reqs[2].token_slots[:180])
+    outs.append(d.run([(again, 40)]))
+    return outs, d.rt.pools, d.rt.slots
+
+
+@needs_ext
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_window_keys_op_is_the_codec_and_index_ops(seed):
+    """``cedar_cpu::fp8_window_keys`` on random rings against the torch ops it replaces: keys are
+    the twin's FP8 round trip of new rows and decode of ring rows (NaN scales included), laid out
+    by ``perm``; a ring row written at or after its request's first new position reads as -1; the
+    kept rows' codes, scales and positions land in the rings, after every ring row was read."""
+    from cedar.kernels import fp8_ref
+    from cedar.kernels.formats import WINDOW_ROW
+
+    gen = torch.Generator().manual_seed(seed)
+    T, D, R, S, B = 40, 64, 6, 8, 3
+    kv = torch.randn(T, D, generator=gen) * 3
+    kv[5, :32] = float("nan")  # a poisoned group
+    rows = torch.randint(0, 256, (R * S, D), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(100, 150, (R * S, D // 32), generator=gen, dtype=torch.uint8)
+    scales[3, 1] = 0xFF
+    ring_pos = torch.randint(-1, 90, (R * S,), generator=gen)
+    ring_src = torch.randint(0, R * S, (B * S,), generator=gen)
+    ring_first = torch.randint(0, 90, (B * S,), generator=gen)
+    perm = torch.randperm(T + B * S, generator=gen)[:T + B * S - 5]
+    write_dst = torch.randperm(R * S, generator=gen)[:12]
+    write_src = torch.randint(0, T, (12,), generator=gen)
+    pos = torch.randint(0, 200, (T,), generator=gen)
+    want_rows, want_scales, want_pos = rows.clone(), scales.clone(), ring_pos.clone()
+    codes, cs = fp8_ref.fp8_quantize(kv, WINDOW_ROW)
+    new = fp8_ref.fp8_dequantize(codes, cs, WINDOW_ROW)
+    old = fp8_ref.fp8_dequantize(rows[ring_src], scales[ring_src], WINDOW_ROW)
+    old_pos = torch.where(ring_pos[ring_src] < ring_first, ring_pos[ring_src], -1)
+    want_keys, want_key_pos = torch.cat([new, old])[perm], torch.cat([pos, old_pos])[perm]
+    want_rows[write_dst], want_scales[write_dst], want_pos[write_dst] = codes[write_src], cs[write_src], pos[write_src]
+    keys, key_pos = torch.ops.cedar_cpu.fp8_window_keys(kv, ring_src, ring_first, perm, write_src, write_dst, pos,
+                                                        rows, scales, ring_pos)
+    assert torch.equal(keys.isnan(), want_keys.isnan()) and keys.isnan().any()
+    assert torch.equal(keys.nan_to_num(), want_keys.nan_to_num()) and torch.equal(key_pos, want_key_pos)
+    assert (key_pos == -1).any() and (old_pos >= 0).any()
+    assert torch.equal(rows, want_rows) and torch.equal(scales, want_scales) and torch.equal(ring_pos, want_pos)
+
+
+@needs_ext
+@pytest.mark.parametrize("geometry", ["cedar-tiny", "cedar-agent"])
+def test_a_prefills_window_keys_in_one_call_are_bit_identical_to_the_torch_ops(monkeypatch, geometry):
+    """``cedar_cpu::fp8_window_keys`` (a multi-row forward's window keys: new rows encoded and
+    decoded, ring rows decoded with their positions, laid out, the kept rows stored) against the
+    same steps as torch ops, over prefills, chunks, a batch, a chunk past the window and prefix
+    hits with replayed rows: every forward's hidden rows and every ring and pool byte equal; and
+    the one-call path is what ran (counted)."""
+    from cedar.backend.geometries import cedar_tiny, geometry as named
+    from cedar.backend.model_io import random_model
+    from cedar.backend.serving.pool_keys import PoolKeys
+
+    cfg = cedar_tiny() if geometry == "cedar-tiny" else named(geometry)
+    model = random_model(cfg, seed=11).eval().use_kernels(KernelSet.for_device("cpu"))
+    runs, calls = [], []
+    op = torch.ops.cedar_cpu.fp8_window_keys
+    for native in (True, False):
+        if native:
+            monkeypatch.setattr(torch.ops.cedar_cpu, "fp8_window_keys", lambda *a: calls.append(1) or op(*a),
+                                raising=False)
+        else:
+            monkeypatch.setattr(PoolKeys, "NATIVE_WINDOW", False)
+        runs.append(_mixed_extends(model))
+    (a, pa, sa), (b, pb, sb) = runs
+    assert len(calls) == 6 * cfg.num_hidden_layers  # every forward's layers (no decode step here)
+    for x, y in zip(a, b):
+        assert torch.equal(x.decoded, y.decoded) and x.decoded.any() and torch.equal(x.hidden, y.hidden)
+    for layer in range(cfg.num_hidden_layers):
+        assert torch.equal(sa.ring_scales[layer], sb.ring_scales[layer])
+    _assert_same_caches(cfg, pa, sa, pb, sb)
+
+
 @needs_ext
 @pytest.mark.parametrize("geometry", ["cedar-tiny", "cedar-agent"])
 def test_a_decode_step_in_one_native_call_is_bit_identical_to_the_per_layer_path(monkeypatch, geometry):

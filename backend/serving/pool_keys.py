@@ -48,6 +48,7 @@ class PoolKeys(KeySource):
         self.in_place = self.cpp and self.tables.single_row
 
     ONE_CALL = True  # NOTE: the tests switch the one-call decode path off to compare it with the other
+    NATIVE_WINDOW = True  # NOTE: and the one-call window keys of other forwards
 
     def one_call(self) -> bool:
         """A decode step on the C++ kernels, no autograd: a layer's attention and a source's
@@ -90,15 +91,13 @@ class PoolKeys(KeySource):
         if source not in self.views:
             src, ent = self.pools.sources[source], self.tables.entries(self.pools.sources[source].ratio)
             idx = ent.rows
-            if self.cpp:  # NOTE: global rows are read in place (only the selected ones); index keys
-                # too in a decode step, else dequantized once for the forward's many query rows
+            if self.cpp:  # NOTE: global rows are read in place (only the selected ones), index keys
+                # too: the indexer lays a request's keys out from the pool once per chunk of rows
                 rows = self.tables.dec if source >= self.cfg.decoder_start else self.tables.enc
-                index_keys = None if self.in_place else \
-                    self.codec.decode("index", src.index_rows[idx], src.index_scales[idx])
                 # NOTE: dequantize every entry once where the queries select more rows than there are
                 entries = self.codec.decode("global", src.rows[idx], src.row_scales[idx]) \
                     if rows.batch.num_rows * self.cfg.index_topk > idx.numel() and not self.in_place else None
-                self.views[source] = GlobalView(entries, index_keys, ent.entry_pos, ent.cu, PoolPlan(
+                self.views[source] = GlobalView(entries, None, ent.entry_pos, ent.cu, PoolPlan(
                     src.rows, src.row_scales, src.index_rows, src.index_scales, idx, ent.cu.long(), rows.owner,
                     src.ratio))
                 return self.views[source]
@@ -119,6 +118,12 @@ class PoolKeys(KeySource):
             return WindowKeys(kv[:0], batch.pos[:0], batch.cu, RingPlan(rows, ring_s, ring_p, self.tables.slots,
                                                                        self.tables.enc.owner))
         lay = self.tables.ring(decoder, S)
+        plan = self.tables.window_plan(layer >= E, decoder, S)
+        if self.cpp and self.NATIVE_WINDOW:  # NOTE: the same codes, keys and ring writes as below, one C++ call
+            keys, key_pos = torch.ops.cedar_cpu.fp8_window_keys(
+                kv.float().contiguous(), lay.ring_src, lay.ring_first, lay.perm, lay.write_src, lay.write_dst,
+                batch.pos, rows.view(-1, rows.shape[-1]), ring_s.view(-1, ring_s.shape[-1]), ring_p.view(-1))
+            return WindowKeys(keys, key_pos, lay.cu, plan)
         codes, scales = self.codec.encode("window", kv)
         new = self.codec.decode("window", codes, scales)
         flat_rows, flat_scales, flat_pos = rows.view(-1, rows.shape[-1]), ring_s.view(-1, ring_s.shape[-1]), ring_p.view(-1)
@@ -130,7 +135,7 @@ class PoolKeys(KeySource):
         flat_rows[lay.write_dst] = codes[lay.write_src]  # NOTE: after the ring was read
         flat_scales[lay.write_dst] = scales[lay.write_src]
         flat_pos[lay.write_dst] = batch.pos[lay.write_src]
-        return WindowKeys(keys, key_pos, lay.cu, self.tables.window_plan(layer >= E, decoder, S))
+        return WindowKeys(keys, key_pos, lay.cu, plan)
 
     def window_floor(self, layer: int) -> Tensor:
         return self.tables.dec_floor if layer > self.cfg.decoder_start else self.tables.enc_floor

@@ -114,35 +114,49 @@ inline void dots(const float* q, int64_t H, const float* k, int64_t D, float* ou
   for (int64_t h = 0; h < H; ++h) out[h] = dot(q + h * D, k, D);
 }
 
-// Index keys lane-major, 8 entries a block ([block][d][8]): the indexer scores 8 entries per vector
-// op. Each dot is summed exactly as dots() sums it (lane l's partial sums over i, then reduce8's
-// tree, lane-wise across the 8 entries), so a score is dots()'s bit for bit, and about 1.7x faster
-// than 8-accumulator dots per entry (the products stay in lanes: no transpose to reduce them).
-inline void put_key_lanes(const float* key, int64_t D, int64_t c, float* kt) {
-  float* blk = kt + (c / 8) * D * 8 + c % 8;
-  for (int64_t d = 0; d < D; ++d) blk[d * 8] = key[d];
+// Index keys lane-major, kKeyLanes entries a block ([block][d][kKeyLanes]): the indexer scores a
+// block per vector op (16 entries with AVX-512, else 8). Each dot is summed exactly as dots() sums
+// it (its 8 lane partial sums over i, then reduce8's tree, entry-wise across the block's lanes), so
+// a score is dots()'s bit for bit whatever the block width, and about 1.7x faster than
+// 8-accumulator dots per entry at 8 lanes (the products stay in lanes: no transpose to reduce them).
+#ifdef __AVX512F__
+constexpr int64_t kKeyLanes = 16;
+#else
+constexpr int64_t kKeyLanes = 8;
+#endif
+typedef float vk __attribute__((vector_size(4 * kKeyLanes)));
+
+inline vk loadk(const float* p) {
+  vk v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
 }
 
-// An FP4 row into lane c % 8 of its lane-major block: dequant_fp4's values (each code's E2M1 value
+inline void put_key_lanes(const float* key, int64_t D, int64_t c, float* kt) {
+  float* blk = kt + (c / kKeyLanes) * D * kKeyLanes + c % kKeyLanes;
+  for (int64_t d = 0; d < D; ++d) blk[d * kKeyLanes] = key[d];
+}
+
+// An FP4 row into lane c % kKeyLanes of its lane-major block: dequant_fp4's values (each code's E2M1 value
 // times its group's scale: the same one multiply, here once per code value and group), written
 // in place. NOTE: a decode step dequantizes every visible index key once per row (~2x faster so)
 inline void dequant_fp4_lanes(const uint8_t* packed, const uint8_t* scales, int64_t D, int64_t group, bool e4m3,
                               int64_t c, float* kt) {
-  float* blk = kt + (c / 8) * D * 8 + c % 8;
+  float* blk = kt + (c / kKeyLanes) * D * kKeyLanes + c % kKeyLanes;
   float tab[16];
   for (int64_t g = 0; g < D / group; ++g) {
     const float s = e4m3 ? lut().e4m3[scales[g]] : e8m0(scales[g]);
     for (int n = 0; n < 16; ++n) tab[n] = kE2M1[n] * s;
     for (int64_t j = g * group / 2; j < (g + 1) * group / 2; ++j) {
-      blk[(2 * j) * 8] = tab[packed[j] & 15];
-      blk[(2 * j + 1) * 8] = tab[packed[j] >> 4];
+      blk[(2 * j) * kKeyLanes] = tab[packed[j] & 15];
+      blk[(2 * j + 1) * kKeyLanes] = tab[packed[j] >> 4];
     }
   }
 }
 
 #ifdef __AVX2__
-// Eight FP4 rows (pool rows rows[0..8), CB bytes each) into one lane-major block: lane j of code d
-// is E2M1(code) * scale, the product dequant_fp4_lanes makes (the sign of codes 8-15 set on the
+// Eight FP4 rows (pool rows rows[0..8), CB bytes each) into eight lanes of a lane-major block
+// (`blk`: the first of them): lane j of code d is E2M1(code) * scale, the product dequant_fp4_lanes makes (the sign of codes 8-15 set on the
 // magnitude of 0-7: the same values, -0.f included). Four code bytes of the 8 rows per gather.
 // NOTE: group % 8 == 0 and byte offsets below 2^31 (the caller's `gather8`).
 inline void dequant_fp4_block8(const uint8_t* packed, int64_t CB, const uint8_t* scales, int64_t SB,
@@ -162,25 +176,25 @@ inline void dequant_fp4_block8(const uint8_t* packed, int64_t CB, const uint8_t*
         const __m256i n = _mm256_and_si256(_mm256_srli_epi32(w, 4 * q), low4);
         const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(n, 3), 31));
         const __m256 v = _mm256_xor_ps(_mm256_permutevar8x32_ps(mags, n), sign);
-        _mm256_storeu_ps(blk + (2 * b + q) * 8, _mm256_mul_ps(v, vs));
+        _mm256_storeu_ps(blk + (2 * b + q) * kKeyLanes, _mm256_mul_ps(v, vs));
       }
     }
   }
 }
 #endif
 
-// The scores of the 8 entries of a lane-major block for one query row: sum_h w[h] relu(q[h] . key)
-// over h in order from 0.f (the per-entry loop's order); D % 8 == 0.
-inline v8 index_scores8(const float* q, const float* w, int64_t H, const float* kt, int64_t D) {
-  const v8 zero = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  v8 acc = zero;
+// The scores of the kKeyLanes entries of a lane-major block for one query row: sum_h w[h]
+// relu(q[h] . key) over h in order from 0.f (the per-entry loop's order); D % 8 == 0.
+inline vk index_scores(const float* q, const float* w, int64_t H, const float* kt, int64_t D) {
+  const vk zero = {};
+  vk acc = zero;
   for (int64_t h = 0; h < H; ++h) {
     const float* qh = q + h * D;
-    v8 s[8];
+    vk s[8];
     for (int l = 0; l < 8; ++l) s[l] = zero;
     for (int64_t i = 0; i < D; i += 8)
-      for (int l = 0; l < 8; ++l) s[l] += (zero + qh[i + l]) * load8(kt + (i + l) * 8);
-    v8 d = (((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]))) + 0.f;
+      for (int l = 0; l < 8; ++l) s[l] += (zero + qh[i + l]) * loadk(kt + (i + l) * kKeyLanes);
+    vk d = (((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]))) + 0.f;
     d = d < zero ? zero : d;  // std::max(d, 0.f), NaN and -0.f kept as it keeps them
     acc += d * w[h];
   }
@@ -390,9 +404,12 @@ std::tuple<at::Tensor, at::Tensor> window_ragged_attention(const at::Tensor& q, 
 struct TopK {
   int64_t k;
   std::vector<std::pair<float, int32_t>> heap;  // front = the worst kept
-  static bool better(const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
-    return a.first > b.first || (a.first == b.first && a.second < b.second);
-  }
+  struct Better {  // NOTE: a functor, not a function pointer: inlined into the heap operations
+    bool operator()(const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) const {
+      return a.first > b.first || (a.first == b.first && a.second < b.second);
+    }
+  };
+  static constexpr Better better{};
   void reset() { heap.clear(); }
   void offer(float score, int32_t id) {
     if (!std::isfinite(score) || k == 0) return;
@@ -450,7 +467,7 @@ at::Tensor indexer_topk(const at::Tensor& iq, const at::Tensor& iw, const c10::o
       const int64_t vis = std::upper_bound(vp + c0, vp + cu[b + 1], pp[t]) - (vp + c0);
       if (b != kt_req) kt_req = b, kt_n = 0;
       if (kt_n < vis) {
-        const int64_t need = (vis + 7) / 8 * 8 * Di;
+        const int64_t need = (vis + kKeyLanes - 1) / kKeyLanes * kKeyLanes * Di;
         if (int64_t(kt.size()) < need) kt.resize(std::max<int64_t>(2 * kt.size(), need));
       }
       for (; kt_n < vis; ++kt_n) {
@@ -461,7 +478,8 @@ at::Tensor indexer_topk(const at::Tensor& iq, const at::Tensor& iw, const c10::o
           dequant_fp4(cp + er[e] * CB, sp + er[e] * SB, Di, group, false, kt.data() + kt_n * Di);
 #ifdef __AVX2__
         } else if (gather8 && kt_n % 8 == 0 && kt_n + 8 <= vis) {
-          dequant_fp4_block8(cp, CB, sp, SB, er + e, Di, group, kt.data() + kt_n * Di);
+          dequant_fp4_block8(cp, CB, sp, SB, er + e, Di, group,
+                             kt.data() + (kt_n / kKeyLanes) * Di * kKeyLanes + kt_n % kKeyLanes);
           kt_n += 7;  // NOTE: the loop's ++kt_n makes it 8
 #endif
         } else {
@@ -472,9 +490,9 @@ at::Tensor indexer_topk(const at::Tensor& iq, const at::Tensor& iw, const c10::o
       const float* w = wp + t * Hi;
       top.reset();
       if (lanes) {  // NOTE: a block's lanes past `vis` hold other entries or stale keys: never offered
-        if (int64_t(sc.size()) < vis + 8) sc.resize(vis + 8);
-        for (int64_t c = 0; c < vis; c += 8) {
-          const v8 v = index_scores8(q, w, Hi, kt.data() + c * Di, Di);
+        if (int64_t(sc.size()) < vis + kKeyLanes) sc.resize(vis + kKeyLanes);
+        for (int64_t c = 0; c < vis; c += kKeyLanes) {
+          const vk v = index_scores(q, w, Hi, kt.data() + c * Di, Di);
           std::memcpy(sc.data() + c, &v, sizeof(v));
         }
         for (int64_t c = 0; c < vis; ++c) top.offer(sc[c], int32_t(c));
@@ -593,6 +611,67 @@ void fp8_ring_store(const at::Tensor& rows, const at::Tensor& slot, const at::Te
     for (int64_t g = 0; g < G; ++g) sp[dst * G + g] = fp8_group(xp + t * D + g * 32, cp + dst * D + g * 32);
     rp[dst] = pp[t];
   }
+}
+
+// A multi-row forward's window keys (PoolKeys.window_keys off a decode step), in one call: the
+// new rows FP8-encoded and decoded (what a reader of the ring sees), each request's ring rows
+// decoded with their positions (-1 where written at or after the request's first new position),
+// both laid out by `perm` (key m is new row perm[m] if below T, else ring row ring_src[perm[m] - T]),
+// then the kept new rows' codes stored in the rings (after every ring row was read). The same
+// codes and values as fp8_quantize, fp8_ref.fp8_dequantize, cat and index: bit for bit.
+// kv (T, D) f32, D % 32 == 0; ring_src / ring_first (B S,) int64; perm (N,) int64;
+// write_src / write_dst (n,) int64; pos (T,) int64; rows (R, D) / scales (R, D / 32) uint8 and
+// ring_pos (R,) int64 flat over the rings -> keys (N, D) f32, key_pos (N,) int64.
+std::tuple<at::Tensor, at::Tensor> fp8_window_keys(const at::Tensor& kv, const at::Tensor& ring_src,
+                                                   const at::Tensor& ring_first, const at::Tensor& perm,
+                                                   const at::Tensor& write_src, const at::Tensor& write_dst,
+                                                   const at::Tensor& pos, at::Tensor& rows, at::Tensor& scales,
+                                                   at::Tensor& ring_pos) {
+  const int64_t T = kv.size(0), D = kv.size(1), G = D / 32, N = perm.size(0), W = write_src.size(0);
+  TORCH_CHECK(D % 32 == 0 && rows.size(1) == D && scales.size(1) == G, "fp8_window_keys: bad row widths");
+  const auto x = kv.contiguous();
+  auto codes = at::empty({T, D}, kv.options().dtype(at::kByte));
+  auto cscales = at::empty({T, G}, kv.options().dtype(at::kByte));
+  auto keys = at::empty({N, D}, kv.options());
+  auto key_pos = at::empty({N}, pos.options());
+  const float* xp = x.data_ptr<float>();
+  uint8_t* cp = codes.data_ptr<uint8_t>();
+  uint8_t* csp = cscales.data_ptr<uint8_t>();
+  const int64_t* src = ring_src.data_ptr<int64_t>();
+  const int64_t* first = ring_first.data_ptr<int64_t>();
+  const int64_t* pm = perm.data_ptr<int64_t>();
+  const int64_t* ws = write_src.data_ptr<int64_t>();
+  const int64_t* wd = write_dst.data_ptr<int64_t>();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  uint8_t* rp = rows.data_ptr<uint8_t>();
+  uint8_t* sp = scales.data_ptr<uint8_t>();
+  int64_t* rpos = ring_pos.data_ptr<int64_t>();
+  float* kp = keys.data_ptr<float>();
+  int64_t* kpos = key_pos.data_ptr<int64_t>();
+  // NOTE: a few hundred rows of 512 values stay on the calling thread (cheaper than a region)
+  at::parallel_for(0, T, 512, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t g = 0; g < G; ++g) csp[t * G + g] = fp8_group(xp + t * D + g * 32, cp + t * D + g * 32);
+  });
+  at::parallel_for(0, N, 1024, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const int64_t j = pm[m];
+      if (j < T) {
+        dequant_fp8(cp + j * D, csp + j * G, D, kp + m * D);
+        kpos[m] = pp[j];
+      } else {
+        const int64_t r = src[j - T], at = rpos[r];
+        dequant_fp8(rp + r * D, sp + r * G, D, kp + m * D);
+        kpos[m] = at < first[j - T] ? at : -1;
+      }
+    }
+  });
+  for (int64_t i = 0; i < W; ++i) {  // NOTE: after every ring row was read
+    std::memcpy(rp + wd[i] * D, cp + ws[i] * D, D);
+    std::memcpy(sp + wd[i] * G, csp + ws[i] * G, G);
+    rpos[wd[i]] = pp[ws[i]];
+  }
+  return {keys, key_pos};
 }
 
 std::tuple<at::Tensor, at::Tensor> fp8_quantize(const at::Tensor& x) {
@@ -1008,6 +1087,8 @@ TORCH_LIBRARY(cedar_cpu, m) {
   m.def("decode_step(Tensor h, Tensor?[] weights, float[] floats, int[] ints, Tensor?[] step) -> Tensor");
   m.def("fp8_ring_store(Tensor rows, Tensor slot, Tensor pos, Tensor(a!) codes, Tensor(b!) scales, "
         "Tensor(c!) ring_pos) -> ()");
+  m.def("fp8_window_keys(Tensor kv, Tensor ring_src, Tensor ring_first, Tensor perm, Tensor write_src, "
+        "Tensor write_dst, Tensor pos, Tensor(a!) rows, Tensor(b!) scales, Tensor(c!) ring_pos) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(cedar_cpu, CPU, m) {
@@ -1017,6 +1098,7 @@ TORCH_LIBRARY_IMPL(cedar_cpu, CPU, m) {
   m.impl("indexer_topk", &indexer_topk);
   m.impl("sparse_pool_attention", &sparse_pool_attention);
   m.impl("fp8_ring_store", &fp8_ring_store);
+  m.impl("fp8_window_keys", &fp8_window_keys);
   m.impl("fp8_quantize", &fp8_quantize);
   m.impl("fp4_quantize", &fp4_quantize);
   m.impl("merge_states", &merge_states);
