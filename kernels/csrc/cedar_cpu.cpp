@@ -183,17 +183,24 @@ inline void dequant_fp4_block8(const uint8_t* packed, int64_t CB, const uint8_t*
 }
 #endif
 
-// The scores of the kKeyLanes entries of a lane-major block for one query row: sum_h w[h]
-// relu(q[h] . key) over h in order from 0.f (the per-entry loop's order); D % 8 == 0.
-inline vk index_scores(const float* q, const float* w, int64_t H, const float* kt, int64_t D) {
+// A query row's H * D values, each broadcast to a vector once (0.f + q: the lanes dots() multiplies).
+inline void broadcast_query(const float* q, int64_t n, vk* qv) {
+  const vk zero = {};
+  for (int64_t j = 0; j < n; ++j) qv[j] = zero + q[j];
+}
+
+// The scores of the kKeyLanes entries of a lane-major block for one query row (qv: its values
+// broadcast, broadcast_query): sum_h w[h] relu(q[h] . key) over h in order from 0.f (the per-entry
+// loop's order); D % 8 == 0.
+inline vk index_scores(const vk* qv, const float* w, int64_t H, const float* kt, int64_t D) {
   const vk zero = {};
   vk acc = zero;
   for (int64_t h = 0; h < H; ++h) {
-    const float* qh = q + h * D;
+    const vk* qh = qv + h * D;
     vk s[8];
     for (int l = 0; l < 8; ++l) s[l] = zero;
     for (int64_t i = 0; i < D; i += 8)
-      for (int l = 0; l < 8; ++l) s[l] += (zero + qh[i + l]) * loadk(kt + (i + l) * kKeyLanes);
+      for (int l = 0; l < 8; ++l) s[l] += qh[i + l] * loadk(kt + (i + l) * kKeyLanes);
     vk d = (((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]))) + 0.f;
     d = d < zero ? zero : d;  // std::max(d, 0.f), NaN and -0.f kept as it keeps them
     acc += d * w[h];
@@ -422,6 +429,29 @@ struct TopK {
       std::push_heap(heap.begin(), heap.end(), better);
     }
   }
+  // offer(v[l], c + l) for the first n lanes of a block of scores, in lane order; with the heap
+  // full, only lanes above its worst kept score (the rest would be refused: the same heap after)
+  void offer_block(vk v, int64_t c, int64_t n) {
+    if (k == 0) return;
+    if (int64_t(heap.size()) < k) {
+      for (int64_t l = 0; l < n; ++l) offer(v[l], int32_t(c + l));
+      return;
+    }
+    const float worst = heap.front().first;
+#if defined(__AVX512F__)
+    uint32_t m = _mm512_cmp_ps_mask(reinterpret_cast<__m512>(v), _mm512_set1_ps(worst), _CMP_GT_OQ);
+#elif defined(__AVX2__)
+    uint32_t m = _mm256_movemask_ps(_mm256_cmp_ps(reinterpret_cast<__m256>(v), _mm256_set1_ps(worst), _CMP_GT_OQ));
+#else
+    uint32_t m = 0;
+    for (int64_t l = 0; l < kKeyLanes; ++l) m |= uint32_t(v[l] > worst) << l;
+#endif
+    if (n < kKeyLanes) m &= (uint32_t(1) << n) - 1;
+    for (; m; m &= m - 1) {
+      const int l = __builtin_ctz(m);
+      offer(v[l], int32_t(c + l));
+    }
+  }
   void write(int32_t* out) {  // k slots, -1 padded
     std::sort(heap.begin(), heap.end(), better);
     for (int64_t j = 0; j < k; ++j) out[j] = j < int64_t(heap.size()) ? heap[j].second : -1;
@@ -458,7 +488,8 @@ at::Tensor indexer_topk(const at::Tensor& iq, const at::Tensor& iw, const c10::o
     // hit + 16 replays 144 rows over 2k entries), lane-major where Di % 8 == 0 (else given keys
     // are read in place); every score is the per-entry dots() one, so the top-k is the same bits
     // row by row
-    std::vector<float> kt, sc, d(Hi);
+    std::vector<float> kt, d(Hi);
+    std::vector<vk> qv(lanes ? Hi * Di : 0);
     int64_t kt_req = -1, kt_n = 0;
     TopK top{k, {}};
     for (int64_t t = t0; t < t1; ++t) {
@@ -490,12 +521,9 @@ at::Tensor indexer_topk(const at::Tensor& iq, const at::Tensor& iw, const c10::o
       const float* w = wp + t * Hi;
       top.reset();
       if (lanes) {  // NOTE: a block's lanes past `vis` hold other entries or stale keys: never offered
-        if (int64_t(sc.size()) < vis + kKeyLanes) sc.resize(vis + kKeyLanes);
-        for (int64_t c = 0; c < vis; c += kKeyLanes) {
-          const vk v = index_scores(q, w, Hi, kt.data() + c * Di, Di);
-          std::memcpy(sc.data() + c, &v, sizeof(v));
-        }
-        for (int64_t c = 0; c < vis; ++c) top.offer(sc[c], int32_t(c));
+        broadcast_query(q, Hi * Di, qv.data());
+        for (int64_t c = 0; c < vis; c += kKeyLanes)
+          top.offer_block(index_scores(qv.data(), w, Hi, kt.data() + c * Di, Di), c, std::min(kKeyLanes, vis - c));
       } else {
         for (int64_t c = 0; c < vis; ++c) {
           dots(q, Hi, kp ? kp + (c0 + c) * Di : kt.data() + c * Di, Di, d.data());
