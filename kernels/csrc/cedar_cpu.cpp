@@ -641,6 +641,20 @@ void fp8_ring_store(const at::Tensor& rows, const at::Tensor& slot, const at::Te
   }
 }
 
+std::tuple<at::Tensor, at::Tensor> fp8_quantize(const at::Tensor& x) {
+  const int64_t N = x.size(0), D = x.size(1), G = D / 32;
+  auto codes = at::empty({N, D}, x.options().dtype(at::kByte));
+  auto scales = at::empty({N, G}, x.options().dtype(at::kByte));
+  const float* xp = x.data_ptr<float>();
+  uint8_t* cp = codes.data_ptr<uint8_t>();
+  uint8_t* sp = scales.data_ptr<uint8_t>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t g = 0; g < G; ++g) sp[n * G + g] = fp8_group(xp + n * D + g * 32, cp + n * D + g * 32);
+  });
+  return {codes, scales};
+}
+
 // A multi-row forward's window keys (PoolKeys.window_keys off a decode step), in one call: the
 // new rows FP8-encoded and decoded (what a reader of the ring sees), each request's ring rows
 // decoded with their positions (-1 where written at or after the request's first new position),
@@ -657,14 +671,11 @@ std::tuple<at::Tensor, at::Tensor> fp8_window_keys(const at::Tensor& kv, const a
                                                    at::Tensor& ring_pos) {
   const int64_t T = kv.size(0), D = kv.size(1), G = D / 32, N = perm.size(0), W = write_src.size(0);
   TORCH_CHECK(D % 32 == 0 && rows.size(1) == D && scales.size(1) == G, "fp8_window_keys: bad row widths");
-  const auto x = kv.contiguous();
-  auto codes = at::empty({T, D}, kv.options().dtype(at::kByte));
-  auto cscales = at::empty({T, G}, kv.options().dtype(at::kByte));
+  const auto [codes, cscales] = fp8_quantize(kv.contiguous());
   auto keys = at::empty({N, D}, kv.options());
   auto key_pos = at::empty({N}, pos.options());
-  const float* xp = x.data_ptr<float>();
-  uint8_t* cp = codes.data_ptr<uint8_t>();
-  uint8_t* csp = cscales.data_ptr<uint8_t>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint8_t* csp = cscales.data_ptr<uint8_t>();
   const int64_t* src = ring_src.data_ptr<int64_t>();
   const int64_t* first = ring_first.data_ptr<int64_t>();
   const int64_t* pm = perm.data_ptr<int64_t>();
@@ -676,11 +687,7 @@ std::tuple<at::Tensor, at::Tensor> fp8_window_keys(const at::Tensor& kv, const a
   int64_t* rpos = ring_pos.data_ptr<int64_t>();
   float* kp = keys.data_ptr<float>();
   int64_t* kpos = key_pos.data_ptr<int64_t>();
-  // NOTE: a few hundred rows of 512 values stay on the calling thread (cheaper than a region)
-  at::parallel_for(0, T, 512, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t g = 0; g < G; ++g) csp[t * G + g] = fp8_group(xp + t * D + g * 32, cp + t * D + g * 32);
-  });
+  // NOTE: up to a thousand key rows stay on the calling thread (cheaper than an OpenMP region)
   at::parallel_for(0, N, 1024, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       const int64_t j = pm[m];
@@ -700,20 +707,6 @@ std::tuple<at::Tensor, at::Tensor> fp8_window_keys(const at::Tensor& kv, const a
     rpos[wd[i]] = pp[ws[i]];
   }
   return {keys, key_pos};
-}
-
-std::tuple<at::Tensor, at::Tensor> fp8_quantize(const at::Tensor& x) {
-  const int64_t N = x.size(0), D = x.size(1), G = D / 32;
-  auto codes = at::empty({N, D}, x.options().dtype(at::kByte));
-  auto scales = at::empty({N, G}, x.options().dtype(at::kByte));
-  const float* xp = x.data_ptr<float>();
-  uint8_t* cp = codes.data_ptr<uint8_t>();
-  uint8_t* sp = scales.data_ptr<uint8_t>();
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t g = 0; g < G; ++g) sp[n * G + g] = fp8_group(xp + n * D + g * 32, cp + n * D + g * 32);
-  });
-  return {codes, scales};
 }
 
 // FP4 rows, bit-identical to fp4_ref.fp4_quantize (E4M3 or E8M0 group scales).
