@@ -132,17 +132,23 @@ inline vk loadk(const float* p) {
   return v;
 }
 
+// Entry c's first value in lane-major keys of width D: its block, then its lane (stride kKeyLanes).
+inline float* key_lane(float* kt, int64_t D, int64_t c) {
+  return kt + (c / kKeyLanes) * D * kKeyLanes + c % kKeyLanes;
+}
+
 inline void put_key_lanes(const float* key, int64_t D, int64_t c, float* kt) {
-  float* blk = kt + (c / kKeyLanes) * D * kKeyLanes + c % kKeyLanes;
+  float* blk = key_lane(kt, D, c);
   for (int64_t d = 0; d < D; ++d) blk[d * kKeyLanes] = key[d];
 }
 
-// An FP4 row into lane c % kKeyLanes of its lane-major block: dequant_fp4's values (each code's E2M1 value
-// times its group's scale: the same one multiply, here once per code value and group), written
-// in place. NOTE: a decode step dequantizes every visible index key once per row (~2x faster so)
+// An FP4 row into entry c's lane of its lane-major block: dequant_fp4's values (each code's E2M1
+// value times its group's scale: the same one multiply, here once per code value and group),
+// written in place. NOTE: a decode step dequantizes every visible index key once per row (~2x
+// faster so)
 inline void dequant_fp4_lanes(const uint8_t* packed, const uint8_t* scales, int64_t D, int64_t group, bool e4m3,
                               int64_t c, float* kt) {
-  float* blk = kt + (c / kKeyLanes) * D * kKeyLanes + c % kKeyLanes;
+  float* blk = key_lane(kt, D, c);
   float tab[16];
   for (int64_t g = 0; g < D / group; ++g) {
     const float s = e4m3 ? lut().e4m3[scales[g]] : e8m0(scales[g]);
@@ -156,8 +162,9 @@ inline void dequant_fp4_lanes(const uint8_t* packed, const uint8_t* scales, int6
 
 #ifdef __AVX2__
 // Eight FP4 rows (pool rows rows[0..8), CB bytes each) into eight lanes of a lane-major block
-// (`blk`: the first of them): lane j of code d is E2M1(code) * scale, the product dequant_fp4_lanes makes (the sign of codes 8-15 set on the
-// magnitude of 0-7: the same values, -0.f included). Four code bytes of the 8 rows per gather.
+// (`blk`: the first of them): lane j of code d is E2M1(code) * scale, the product
+// dequant_fp4_lanes makes (the sign of codes 8-15 set on the magnitude of 0-7: the same values,
+// -0.f included). Four code bytes of the 8 rows per gather.
 // NOTE: group % 8 == 0 and byte offsets below 2^31 (the caller's `gather8`).
 inline void dequant_fp4_block8(const uint8_t* packed, int64_t CB, const uint8_t* scales, int64_t SB,
                                const int64_t* rows, int64_t D, int64_t group, float* blk) {
@@ -509,8 +516,7 @@ at::Tensor indexer_topk(const at::Tensor& iq, const at::Tensor& iw, const c10::o
           dequant_fp4(cp + er[e] * CB, sp + er[e] * SB, Di, group, false, kt.data() + kt_n * Di);
 #ifdef __AVX2__
         } else if (gather8 && kt_n % 8 == 0 && kt_n + 8 <= vis) {
-          dequant_fp4_block8(cp, CB, sp, SB, er + e, Di, group,
-                             kt.data() + (kt_n / kKeyLanes) * Di * kKeyLanes + kt_n % kKeyLanes);
+          dequant_fp4_block8(cp, CB, sp, SB, er + e, Di, group, key_lane(kt.data(), Di, kt_n));
           kt_n += 7;  // NOTE: the loop's ++kt_n makes it 8
 #endif
         } else {
