@@ -60,6 +60,11 @@ class CEDConfig:
     eos_token_ids: tuple[int, ...] = (1,)
     pad_token_id: int = 2
     torch_dtype: str = "float32"
+    # the decoder source's global entries become selectable only once their token has left the
+    # window (an entry of position p from p + W on): the decoder's top-k never spends a slot on a
+    # key its window attention already reads, and its indexer is distilled toward where the
+    # decoder looks beyond the window (its target is the attention over selectable entries)
+    decoder_global_beyond_window: bool = False
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
@@ -147,6 +152,11 @@ class CEDConfig:
         if self.compress_ratios[layer] == 0:
             return None
         return self._nearest_before(self.index_source_layer_ids, layer)
+
+    def global_lag(self, source: int) -> int:
+        """Positions between a source's entry becoming complete (its group's last token) and its
+        becoming selectable: W for the decoder source under ``decoder_global_beyond_window``, else 0."""
+        return self.sliding_window if self.decoder_global_beyond_window and source == self.decoder_start else 0
 
     def is_encoder(self, layer: int) -> bool:
         return layer < self.decoder_start

@@ -15,6 +15,7 @@ quantization is on), so they agree up to floating-point reassociation.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -74,16 +75,17 @@ class KeySource:
         return None
 
 
-def entry_positions(num: int, ratio: int) -> Tensor:
-    """(num,) int64: entry g becomes visible at its group's last position g*r + r - 1."""
-    return (torch.arange(num, dtype=torch.long) + 1) * ratio - 1
+def entry_positions(num: int, ratio: int, lag: int = 0) -> Tensor:
+    """(num,) int64: entry g becomes visible at its group's last position g*r + r - 1, plus the
+    source's ``lag`` (:meth:`CEDConfig.global_lag`)."""
+    return (torch.arange(num, dtype=torch.long) + 1) * ratio - 1 + lag
 
 
 class WholeSequenceKeys(KeySource):
     """Cold, whole-sequence forward of one request: rows at positions 0..T-1, nothing cached."""
 
-    def __init__(self, codec: KVCodec) -> None:
-        self.codec = codec
+    def __init__(self, codec: KVCodec, global_lag: Callable[[int], int] = lambda source: 0) -> None:
+        self.codec, self.global_lag = codec, global_lag  # global_lag: CEDConfig.global_lag
         self.views: dict[int, GlobalView] = {}
 
     def write_global(self, layer, comp, x, batch):
@@ -91,7 +93,7 @@ class WholeSequenceKeys(KeySource):
         kv, gate = comp.project(x[: G * comp.ratio])
         rows, index = comp.pool(kv, gate, torch.arange(G, dtype=torch.long) * comp.ratio)
         self.views[layer] = GlobalView(self.codec.roundtrip("global", rows), self.codec.roundtrip("index", index),
-                                       entry_positions(G, comp.ratio), cu_seqlens([G]))
+                                       entry_positions(G, comp.ratio, self.global_lag(layer)), cu_seqlens([G]))
 
     def global_view(self, source):
         return self.views[source]
@@ -128,8 +130,9 @@ class CachedKeys(KeySource):
     """One request over a :class:`SequenceCache`."""
 
     def __init__(self, cache: SequenceCache, codec: KVCodec, plan: ExtendPlan, window: int,
-                 decoder_start: int) -> None:
+                 decoder_start: int, global_lag: Callable[[int], int] = lambda source: 0) -> None:
         self.cache, self.codec, self.plan, self.window, self.E = cache, codec, plan, window, decoder_start
+        self.global_lag = global_lag  # CEDConfig.global_lag
         self.decoder_floor = plan.window_floor
 
     def write_global(self, layer, comp, x, batch):
@@ -153,7 +156,7 @@ class CachedKeys(KeySource):
         s = self.cache.sources[source]
         return GlobalView(self.codec.decode("global", s.rows, s.row_scales),
                           self.codec.decode("index", s.index_rows, s.index_scales),
-                          entry_positions(s.num_rows, s.ratio), cu_seqlens([s.num_rows]))
+                          entry_positions(s.num_rows, s.ratio, self.global_lag(source)), cu_seqlens([s.num_rows]))
 
     def window_keys(self, layer, kv, batch):
         ring = self.cache.rings[layer]

@@ -64,7 +64,7 @@ class CEDModel(nn.Module):
         """input_ids: (T,) int64 -> logits (T, vocab) f32; cold, whole sequence, untrimmed."""
         self._check_ids(input_ids)
         dec = self.run_layers(self.embed(input_ids), RowBatch.single(0, input_ids.shape[0]),
-                              WholeSequenceKeys(self.codec))
+                              WholeSequenceKeys(self.codec, self.cfg.global_lag))
         return self.lm_head(self.norm(dec.hidden)).float()
 
     @torch.no_grad()
@@ -78,7 +78,8 @@ class CEDModel(nn.Module):
             raise ValueError(f"extend at {start} leaves a gap after {cache.seq_len} cached tokens")
         if start < cache.seq_len and plan.write_floor < cache.seq_len:
             raise ValueError("rows below seq_len may only be replayed under a write floor at seq_len")
-        keys = CachedKeys(cache, self.codec, plan, self.cfg.sliding_window, self.cfg.decoder_start)
+        keys = CachedKeys(cache, self.codec, plan, self.cfg.sliding_window, self.cfg.decoder_start,
+                          self.cfg.global_lag)
         cache.window_floor = plan.window_floor
         batch = RowBatch.single(start, input_ids.shape[0])
         dec = self.run_layers(self.embed(input_ids), batch, keys)

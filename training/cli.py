@@ -117,6 +117,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     model_dir = out / "model"
     ids = special_token_ids(model_dir)
     cfg = cedar_agent(VOCAB, bos=ids["<|bos|>"], eos=tuple(generation_eos_token_ids(model_dir)), pad=ids["<|pad|>"])
+    cfg = replace(cfg, decoder_global_beyond_window=args.decoder_global_beyond_window)
     warmup = args.warmup if args.warmup is not None else min(50, max(1, args.steps // 10))
     tc = TrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
                      warmup=warmup, checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
@@ -185,6 +186,9 @@ def register(sub) -> None:
                    help="loss weight of tokens outside the assistant's turns (assistant tokens: 1)")
     p.add_argument("--dense-share", type=float, default=0.0,
                    help="a first share of steps attends every visible global entry (indexer warm-up)")
+    p.add_argument("--decoder-global-beyond-window", action="store_true",
+                   help="the decoder's indexers select only global entries outside the window (config.json's "
+                        "decoder_global_beyond_window; a warm start's weights carry over)")
     p.add_argument("--warmup", type=int, help="warm-up steps (default: min(50, steps / 10))")
     p.add_argument("--export", action="store_true", help="only write the latest checkpoint to DIR/model")
     p.add_argument("--no-probes", action="store_true", help="skip the copy probes at each eval")

@@ -49,8 +49,14 @@ class Plan:
 class Entries:
     rows: Tensor  # (B, C, D) f32 global KV entries (K = V), normed and RoPE'd
     index_keys: Tensor  # (B, C, Di) f32
-    pos: Tensor  # (C,) int64 position from which each entry is visible
+    pos: Tensor  # (C,) int64 each entry's group's last position
     doc: Tensor  # (B, C) int64 document of each entry
+    lag: int = 0  # the source's CEDConfig.global_lag
+
+    @property
+    def visible_from(self) -> Tensor:
+        """(C,) int64 the position from which each entry may be selected."""
+        return self.pos + self.lag
 
 
 @dataclass(frozen=True)
@@ -118,7 +124,7 @@ class DenseForward:
             i = layer.layer_id
             if layer.compressor is not None:
                 entries[i] = self._entries(layer.compressor, h, pos, doc, prefix[0][i] if prefix else None,
-                                           prefix[1] if prefix else 0)
+                                           prefix[1] if prefix else 0, cfg.global_lag(i))
             hn = layer.attn_norm(h.reshape(B * n, -1))
             q = layer.queries(hn, flat_pos).view(B, n, layer.num_heads, layer.latent)
             kv = layer.window_kv(hn, flat_pos).view(B, n, layer.latent)
@@ -126,7 +132,7 @@ class DenseForward:
             glob = None
             if source is not None:
                 ent = entries[source]
-                visible = (ent.pos[None, None, :] <= pos[None, :, None]) & (ent.doc[:, None, :] == doc[:, :, None])
+                visible = (ent.visible_from[None, None, :] <= pos[None, :, None]) & (ent.doc[:, None, :] == doc[:, :, None])
                 if layer.has_indexer:
                     iq, iw = layer.index_queries(hn)
                     iq, iw = iq.view(B, n, *iq.shape[1:]), iw.view(B, n, -1)
@@ -155,7 +161,7 @@ class DenseForward:
 
     # ------------------------------------------------------------------ pieces
     def _entries(self, comp: Compressor, x: Tensor, pos: Tensor, doc: Tensor, cached: Entries | None,
-                 hit: int) -> Entries:
+                 hit: int, lag: int) -> Entries:
         B, n, _ = x.shape
         r = comp.ratio
         kv, gate = comp.project(x.reshape(B * n, -1))
@@ -165,13 +171,13 @@ class DenseForward:
         rows, index = rows.view(B, G, -1), index.view(B, G, -1)
         epos, edoc = first + (r - 1), doc[:, r - 1::r][:, :G]
         if cached is None:
-            return Entries(rows, index, epos, edoc)
+            return Entries(rows, index, epos, edoc, lag)
         # NOTE: a hit's global KV below H is what the earlier request wrote; groups from H on are new
         keep_old, keep_new = cached.pos < hit, first >= hit
         return Entries(torch.cat([cached.rows[:, keep_old], rows[:, keep_new]], 1),
                        torch.cat([cached.index_keys[:, keep_old], index[:, keep_new]], 1),
                        torch.cat([cached.pos[keep_old], epos[keep_new]]),
-                       torch.cat([cached.doc[:, keep_old], edoc[:, keep_new]], 1))
+                       torch.cat([cached.doc[:, keep_old], edoc[:, keep_new]], 1), lag)
 
     def _window_mask(self, pos: Tensor, doc: Tensor, floor: int | None) -> Tensor:
         """(B, nb, W, 2W) bool: query i of block j sees key k of blocks j-1, j. ``floor``: the

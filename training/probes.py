@@ -95,8 +95,8 @@ class ProbeBatch:
 
 @dataclass(frozen=True)
 class Selection:
-    """One index producer's top-k at every row: ``entry_pos`` (B, T, k) int64 position from which
-    each selected entry is visible (-1: no entry), ``num_visible`` (B, T) int64, and the ratio
+    """One index producer's top-k at every row: ``entry_pos`` (B, T, k) int64 the last position of
+    each selected entry's group (-1: no entry), ``num_visible`` (B, T) int64, and the ratio
     of its KV source (an entry holds the ``ratio`` tokens ending at its position)."""
 
     entry_pos: Tensor
@@ -155,7 +155,7 @@ def dense_forward(model: CEDModel) -> ProbeForward:
             for layer, (idx, valid) in p.selections.items():
                 ent = p.entries[cfg.kv_source_of(layer)]
                 sel[layer].entry_pos[:, rows, :idx.shape[-1]] = torch.where(valid, ent.pos[idx], -1)
-                visible = (ent.pos[None, None, :] <= pos[None, :, None]) & (ent.doc[:, None, :] == doc[:, :, None])
+                visible = (ent.visible_from[None, None, :] <= pos[None, :, None]) & (ent.doc[:, None, :] == doc[:, :, None])
                 sel[layer].num_visible[:, rows] = visible.sum(-1)
         return ProbeOutput(logits, sel)
 

@@ -224,20 +224,22 @@ class BatchTables:
             torch._assert_async(torch.all(tail_len[self.slots] == expected),
                                 f"compressor tails disagree with the request positions (ratio {r})")
 
-    def entries(self, ratio: int) -> EntryLayout:
-        if ratio not in self._entries:
+    def entries(self, ratio: int, lag: int = 0) -> EntryLayout:
+        """Every request's entries of one ratio; ``lag``: the source's :meth:`CEDConfig.global_lag`."""
+        if (ratio, lag) not in self._entries:
             counts = self.seq_len // ratio
             req, g = segments(counts, sum(r.seq_len // ratio for r in self.requests))
             cu = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
             rows = self.token_slot_flat[self.token_slot_start[req] + g * ratio] // ratio
-            self._entries[ratio] = EntryLayout(rows, (g + 1) * ratio - 1, cu.int())
-        return self._entries[ratio]
+            self._entries[ratio, lag] = EntryLayout(rows, (g + 1) * ratio - 1 + lag, cu.int())
+        return self._entries[ratio, lag]
 
     def global_plan(self, decoder: bool, ratio: int) -> GlobalPlan:
         key = (decoder, ratio)
         if key not in self._global_plans:
             rows = self.dec if decoder else self.enc
-            self._global_plans[key] = global_plan(rows.cu, self.entries(ratio).cu, rows.batch.lens,
+            lag = self.cfg.global_lag(self.cfg.decoder_start) if decoder else 0  # NOTE: the layout it reads
+            self._global_plans[key] = global_plan(rows.cu, self.entries(ratio, lag).cu, rows.batch.lens,
                                                   max((r.seq_len // ratio for r in self.requests), default=0))
         return self._global_plans[key]
 

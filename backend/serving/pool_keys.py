@@ -89,7 +89,8 @@ class PoolKeys(KeySource):
 
     def global_view(self, source: int) -> GlobalView:
         if source not in self.views:
-            src, ent = self.pools.sources[source], self.tables.entries(self.pools.sources[source].ratio)
+            src = self.pools.sources[source]
+            ent = self.tables.entries(src.ratio, self.cfg.global_lag(source))
             idx = ent.rows
             if self.cpp:  # NOTE: global rows are read in place (only the selected ones), index keys
                 # too: the indexer lays a request's keys out from the pool once per chunk of rows
