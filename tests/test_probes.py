@@ -110,6 +110,17 @@ def test_every_visible_entry_selected_gives_full_recall_and_a_small_topk_does_no
     assert small["recall"]["L4"]["200"] < 1.0
 
 
+def test_a_lagged_decoder_source_scores_no_recall_and_no_chance_inside_the_window():
+    """decoder_global_beyond_window: at gap 0 the decoder's entry is not selectable (recall and
+    chance 0); at 200 it is, and a top-k over everything finds it; the encoder is unaffected."""
+    wide = replace(cedar_tiny(), index_topk=4096, decoder_global_beyond_window=True)
+    torch.set_num_threads(2)
+    out = ProbeSuite(wide, ProbeConfig(gaps=(0, 200), cases=2)).run(random_model(wide, 2))
+    for layer in ("L4", "L6"):
+        assert out["recall"][layer] == {"0": 0.0, "200": 1.0} == out["recall_chance"][layer], out
+    assert out["recall"]["L1"] == {"0": 1.0, "200": 1.0}
+
+
 def test_bad_probe_settings_and_a_foreign_tokenizer_are_refused():
     with pytest.raises(ValueError, match="distinct ids"):
         ProbeConfig(token_range=(8, 20))

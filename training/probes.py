@@ -97,12 +97,14 @@ class ProbeBatch:
 class Selection:
     """One index producer's top-k at every row: ``entry_pos`` (B, T, k) int64 the last position of
     each selected entry's group (-1: no entry), ``num_visible`` (B, T) int64, and the ratio
-    of its KV source (an entry holds the ``ratio`` tokens ending at its position)."""
+    of its KV source (an entry holds the ``ratio`` tokens ending at its position) and its lag
+    (:meth:`CEDConfig.global_lag`: an entry is selectable from its position + lag on)."""
 
     entry_pos: Tensor
     num_visible: Tensor
     ratio: int
     topk: int
+    lag: int = 0
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,8 @@ def dense_forward(model: CEDModel) -> ProbeForward:
         B, T = batch.ids.shape
         logits = torch.empty(B, T, cfg.vocab_size)
         sel = {layer: Selection(torch.full((B, T, cfg.index_topk), -1, dtype=torch.long),
-                                torch.zeros(B, T, dtype=torch.long), cfg.compress_ratios[layer], cfg.index_topk)
+                                torch.zeros(B, T, dtype=torch.long), cfg.compress_ratios[layer], cfg.index_topk,
+                                cfg.global_lag(cfg.kv_source_of(layer)))
                for layer in cfg.index_source_layer_ids}
         for p in fwd.run_passes(batch.ids, batch.doc, batch.plan):
             rows = slice(p.start, p.start + p.logits.shape[1])  # a later pass overwrites, as ``run`` merges
@@ -168,7 +171,8 @@ class Scores:
     exact: list[bool]  # per case: every target right
     first: list[bool]  # per case: its first target right (for a value: choosing what to copy)
     recall: dict[int, float]  # per index producer layer: share of queries whose top-k holds the source entry
-    chance: dict[int, float]  # per layer: mean min(1, k / visible entries) at those queries
+    chance: dict[int, float]  # per layer: mean min(1, k / visible entries) at those queries (0 where
+    # the entry is not selectable yet)
 
 
 def score(forward: ProbeForward, cases: list[ProbeCase], W: int, pad_id: int) -> Scores:
@@ -189,7 +193,9 @@ def score(forward: ProbeForward, cases: list[ProbeCase], W: int, pad_id: int) ->
             want = src - src % s.ratio + s.ratio - 1  # the entry holding the source token
             hits.setdefault(layer, []).extend((s.entry_pos[b, q] == want[:, None]).any(-1).float().tolist())
             vis = s.num_visible[b, q].clamp_min(1).float()
-            chance.setdefault(layer, []).extend((s.topk / vis).clamp(max=1.0).tolist())
+            # NOTE: no chance where the entry is not yet selectable (a lagged source's window)
+            selectable = want + s.lag <= q
+            chance.setdefault(layer, []).extend(torch.where(selectable, (s.topk / vis).clamp(max=1.0), 0.0).tolist())
     return Scores(top1, exact, first, {k: _mean(v) for k, v in hits.items()}, {k: _mean(v) for k, v in chance.items()})
 
 
