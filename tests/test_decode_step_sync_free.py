@@ -185,9 +185,9 @@ def test_decode_step_with_a_reintroduced_sync_fails(monkeypatch):
     h, reqs = _prefilled(model)
     real = batch_tables.BatchTables.entries
 
-    def entries_with_item(self, ratio):
+    def entries_with_item(self, ratio, lag=0):
         int(self.seq_len.max())  # a read-back
-        return real(self, ratio)
+        return real(self, ratio, lag)
 
     monkeypatch.setattr(batch_tables.BatchTables, "entries", entries_with_item)
     with pytest.raises(HostSync, match="_local_scalar_dense"):
