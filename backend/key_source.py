@@ -84,7 +84,7 @@ def entry_positions(num: int, ratio: int, lag: int = 0) -> Tensor:
 class WholeSequenceKeys(KeySource):
     """Cold, whole-sequence forward of one request: rows at positions 0..T-1, nothing cached."""
 
-    def __init__(self, codec: KVCodec, global_lag: Callable[[int], int] = lambda source: 0) -> None:
+    def __init__(self, codec: KVCodec, global_lag: Callable[[int], int]) -> None:
         self.codec, self.global_lag = codec, global_lag  # global_lag: CEDConfig.global_lag
         self.views: dict[int, GlobalView] = {}
 
@@ -130,7 +130,7 @@ class CachedKeys(KeySource):
     """One request over a :class:`SequenceCache`."""
 
     def __init__(self, cache: SequenceCache, codec: KVCodec, plan: ExtendPlan, window: int,
-                 decoder_start: int, global_lag: Callable[[int], int] = lambda source: 0) -> None:
+                 decoder_start: int, global_lag: Callable[[int], int]) -> None:
         self.cache, self.codec, self.plan, self.window, self.E = cache, codec, plan, window, decoder_start
         self.global_lag = global_lag  # CEDConfig.global_lag
         self.decoder_floor = plan.window_floor
