@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import http.client
 import json
 import os
 import signal
@@ -203,7 +204,10 @@ class ServerProcess(ServerClient):
                 with urllib.request.urlopen(self.url + "/health_generate", timeout=30) as r:
                     if r.status == 200:
                         return
-            except OSError:
+            except (OSError, http.client.HTTPException):
+                # NOTE: BadStatusLine("GET /health_generate ...") is the poll talking to itself: with
+                # nothing bound yet, a loopback connect to a port in the ephemeral range can pick
+                # that port as its own source (TCP self-connect) and read its request back
                 time.sleep(1.0)
         raise TimeoutError(f"cedar server not ready after {self.timeout_s} s; log: {self.log_path}")
 
