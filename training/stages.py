@@ -10,8 +10,8 @@ beside the checkpoints with their optimizer state) does not outlive its machine.
 is what the next stage starts from, so that is what is kept: every weight in float16 (half the
 bytes of the float32 model folder; a weight above 6e-5 in magnitude within 2^-11 relative of the
 trained one, a smaller one within 6e-8: the next stage's first steps absorb that), with the stage's provenance in the file's metadata. `restore`
-writes a float32 model folder (config, tokenizer and generation config of `--like`, the shipped
-model by default) that `--init` of the next stage reads. Each stage is written once; the shipped
+writes a float32 model folder (the config the stage was saved with; tokenizer of `--like`, the
+shipped model by default) that `--init` of the next stage reads. Each stage is written once; the shipped
 model in `models/` is the chain's end, not one of these.
 """
 
@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, safe_open, save_file
 
+from cedar.backend.config import CEDConfig
+from cedar.backend.model import CEDModel
 from cedar.backend.model_io import load_model, save_model
 from cedar.backend.tokenizer import TOKENIZER_FILES
 
@@ -44,12 +46,23 @@ def save(model_dir: Path, out: Path, note: str) -> None:
     print(f"saved {len(half)} tensors ({out.stat().st_size / 2**20:.1f} MiB) to {out}")
 
 
+def stage_config(ckpt: Path, like: Path) -> CEDConfig:
+    """The config the stage was trained with (its metadata), else ``like``'s (a stage saved without one).
+
+    A stage may differ from ``like`` in a flag that changes no tensor (``decoder_global_beyond_window``):
+    restoring its weights under ``like``'s config would run them as a model they were not trained as.
+    """
+    with safe_open(str(ckpt), "pt") as f:
+        meta = f.metadata() or {}
+    return CEDConfig.from_hf_dict(json.loads(meta["config"])) if "config" in meta else CEDConfig.load(like)
+
+
 def restore(ckpt: Path, model_dir: Path, like: Path) -> None:
-    model = load_model(like, quantize=False)
+    model = CEDModel(stage_config(ckpt, like), quantize=False)
     state = model.state_dict()
     half = load_file(str(ckpt))
     if set(half) != set(state):
-        raise ValueError(f"{ckpt}: tensors differ from {like}'s: {sorted(set(half) ^ set(state))[:5]}")
+        raise ValueError(f"{ckpt}: tensors differ from its config's model: {sorted(set(half) ^ set(state))[:5]}")
     model.load_state_dict({k: half[k].to(state[k].dtype) for k in state}, strict=True)
     model_dir.mkdir(parents=True, exist_ok=True)
     save_model(model, model_dir)
