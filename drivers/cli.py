@@ -71,7 +71,7 @@ def _cmd_soak(args: argparse.Namespace) -> int:
     print(f"[soak] {report['wall_s']} s: sent {c['sent']}, finished {c['finished']}, aborted {c['aborted']}, "
           f"cut {c['disconnected']}, rejected {c['rejected']}, hung {c['hung']}, lost {c['lost']}; "
           f"{len(c['bad_input_failures'])} bad inputs without a 4xx; sentinels {report['sentinels_checked']} checked, "
-          f"{len(report['sentinel_mismatches'])} wrong; RSS growth {report['rss_growth_after_warmup_pct']}%")
+          f"{len(report['sentinel_mismatches'])} wrong, {report['sentinels_retracted']} retracted (not compared); RSS growth {report['rss_growth_after_warmup_pct']}%")
     print(f"[soak] goals: {report['goals_met']}; wrote {args.json}")
     return 0 if report["passed"] else 1
 

@@ -17,10 +17,12 @@ from server_helpers import prompt, reference
 def test_sentinel_check_catches_a_wrong_token_and_an_unexpected_hit(ref):
     ids = prompt(200, 3)
     good, _ = reference(ref, ids, n=4)
-    records = [SentinelRecord(ids, good, 0, 0), SentinelRecord(ids, good[:2] + [(good[2] + 1) % 500, good[3]], 0, 0),
-               SentinelRecord(ids, good, 100, 0)]  # a hit on a prompt no one planted
-    checked, bad = _verify_sentinels(records, ref)
-    assert checked == 2 and len(bad) == 2
+    wrong = good[:2] + [(good[2] + 1) % 500, good[3]]
+    records = [SentinelRecord(ids, good, 0, 0), SentinelRecord(ids, wrong, 0, 0),
+               SentinelRecord(ids, good, 100, 0),  # a hit on a prompt no one planted
+               SentinelRecord(ids, wrong, 0, 0, retractions=1)]  # re-admitted after a retraction: hit unknown
+    checked, bad, retracted = _verify_sentinels(records, ref)
+    assert checked == 2 and len(bad) == 2 and retracted == 1
     assert bad[0]["first_wrong"] == 2 and bad[1]["why"] == "an unexpected hit"
 
 

@@ -89,6 +89,7 @@ class SentinelRecord:
     cached_tokens: int
     restored_tokens: int
     donor_ids: list[int] | None = None
+    retractions: int = 0  # SGLang's num_retractions: retracted under pool pressure and re-admitted
 
 
 class Load:
@@ -320,4 +321,5 @@ class Load:
     def _record(self, ids, out, donor=None) -> None:
         meta = out["meta_info"]
         self.sentinels.append(SentinelRecord(ids, list(out["output_ids"]), int(meta.get("cached_tokens") or 0),
-                                             int(meta.get("restored_tokens") or 0), donor))
+                                             int(meta.get("restored_tokens") or 0), donor,
+                                             int(meta.get("num_retractions") or 0)))
