@@ -54,7 +54,7 @@ def stages_table(chain: list[dict]) -> str:
     return "\n".join(rows + ([""] + notes if notes else []))
 
 
-def probes_table(probes: dict | None) -> str:
+def probes_table(probes: dict | None, beyond_window: bool = False) -> str:
     """The copy probes of the last eval (`cedar train`'s probes): repeat accuracy by gap, the
     indexer's recall of the entry holding the target (against a random choice's), values by distance."""
     if not probes:
@@ -74,6 +74,9 @@ def probes_table(probes: dict | None) -> str:
             rows.append("| whole value right | " + " | ".join(f"{probes['value_exact'][d]:.2f}" for d in value) + " |")
         if probes.get("value_first"):
             rows.append("| value's first token right | " + " | ".join(f"{probes['value_first'][d]:.2f}" for d in value) + " |")
+    if beyond_window and probes.get("recall"):
+        rows += ["", "(`decoder_global_beyond_window`: the decoder layers' indexers choose only among entries whose "
+                 "token has left the window, so at gaps inside it they have nothing to choose and read 0 / 0.)"]
     rows += ["", "(As the probes stood when the run ended; `cedar train --probe-only MODEL_DIR` scores a model folder "
              "with today's.)"]
     return "\n".join(rows)
@@ -127,6 +130,8 @@ def main(model_dir: str, eval_json: str, fidelity_json: str) -> None:
     ev = json.loads(Path(eval_json).read_text())
     fid = json.loads(Path(fidelity_json).read_text())
     cfg = json.loads((model_dir / "config.json").read_text())
+    beyond_text = ("; `decoder_global_beyond_window`: the decoder's indexers choose among global entries whose token "
+                   "has left the window" if cfg.get("decoder_global_beyond_window") else "")
     splits = ev["splits"]
     held_out = splits["heldout"]
     tasks = held_out["per_kind"]
@@ -176,7 +181,7 @@ tags: [causal-encoder-decoder, agents, tool-calling, sglang]
 A {tr['parameters'] / 1e6:.1f}M-parameter causal encoder-decoder (CED) model with DeepSeek-V4.1-Flash's
 attention layout scaled down (8 layers: encoder SWA, Full r2, Reuse, Reuse; decoder Full r1, Reuse,
 Reindex, Reuse; hidden {cfg['hidden_size']}, {cfg['num_attention_heads']} heads of latent {cfg['kv_latent_dim']}, window
-{cfg['sliding_window']}, top-k {cfg['index_topk']}, context {cfg['max_position_embeddings']}), trained from scratch on CPU to drive
+{cfg['sliding_window']}, top-k {cfg['index_topk']}, context {cfg['max_position_embeddings']}{beyond_text}), trained from scratch on CPU to drive
 Cedar's own agents. Served by `cedar serve` (SGLang 0.5.23 with Cedar's FP4 global / FP8 window
 pools); the default model of `cedar serve`, `cedar agent run` and `make demo`.
 
@@ -211,7 +216,7 @@ pools); the default model of `cedar serve`, `cedar agent run` and `make demo`.
 Copy probes of the last stage's final eval (`cedar train --probe-only MODEL_DIR` measures them on
 any model folder; through the training forward with bounded replay simulated):
 
-{probes_table(probes)}
+{probes_table(probes, bool(cfg.get('decoder_global_beyond_window')))}
 
   The batched training forward (`cedar.training.dense`) computes the served model's maths
   (checked against the reference to 2e-5). 35% of steps simulate an encoder-side prefix hit with
