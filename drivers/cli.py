@@ -123,6 +123,26 @@ def _cmd_bench_bound(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_scheduler(args: argparse.Namespace) -> int:
+    from .bench.common import machine_info
+    from .bench.scheduler import plot_report, run_scheduler_bench
+
+    try:
+        cases = tuple(tuple(int(x) for x in c.split("x")) for c in args.cases.split(","))
+        if not cases or any(len(c) != 2 or min(c) < 1 for c in cases):
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"--cases: expected BATCHxCONTEXT[,BATCHxCONTEXT...], got {args.cases!r}") from None
+    report = run_scheduler_bench(Path(args.model), cases, args.tokens, args.repeats)
+    report["machine"] = machine_info()
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot:
+        plot_report(report, Path(args.plot))
+    print(f"[bench scheduler] wrote {args.json}" + (f" and {args.plot}" if args.plot else ""))
+    return 0
+
+
 def _cmd_bench_step(args: argparse.Namespace) -> int:
     from .bench.common import machine_info
     from .bench.step import DEFAULT_CASES, QUICK_CASES, run_step_bench
@@ -220,6 +240,15 @@ def _add_bench(sub) -> None:
     s.add_argument("--rounds", type=int, default=2)
     s.add_argument("--json", default=None, help="also write the figures here")
     s.set_defaults(fn=_cmd_bench_idle)
+    s = kinds.add_parser("scheduler", help="where a served decode step's time goes on SGLang's scheduler thread "
+                         "(each server process samples its own stack): Cedar's forward, LM head, allocation, streaming")
+    s.add_argument("--json", required=True, help="write the report here")
+    s.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
+    s.add_argument("--tokens", type=int, default=200, help="tokens each request decodes")
+    s.add_argument("--repeats", type=int, default=2, help="unsampled runs a case (their median tok/s)")
+    s.add_argument("--cases", default="1x512,8x512", help="BATCHxCONTEXT, comma-separated")
+    s.add_argument("--plot", default=None, help="also write a PNG (the buckets' shares a case) here")
+    s.set_defaults(fn=_cmd_bench_scheduler)
     agents_cli.register(kinds)  # `cedar bench agents`: the agent-load matrix
 
 

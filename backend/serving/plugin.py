@@ -28,11 +28,13 @@ import os
 def register() -> None:
     if os.environ.get("CEDAR_SGLANG_PLUGIN") != "1":
         return
-    from . import seam
+    from . import seam, stack_sampler
     from .hf_config import register_auto_config
     from .sglang_hooks import hook_status, install, missing_hooks_message
 
     register_auto_config()
+    if os.environ.get(stack_sampler.ENV):  # `cedar bench scheduler`: each process samples itself
+        stack_sampler.start(os.environ[stack_sampler.ENV])
     try:
         install()
     except Exception as e:  # SGLang's loader would log it and carry on

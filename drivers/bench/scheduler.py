@@ -1,0 +1,154 @@
+"""``cedar bench scheduler``: where a served decode step's time goes on SGLang's scheduler thread,
+through a real ``cedar serve``: Cedar's forward (the native step, the Python around it), SGLang's
+LM head, sampling, decode-slot allocation, result processing and streaming, receiving requests.
+
+    cedar bench scheduler --json OUT [--model M] [--tokens 200] [--cases 1x512,8x512]
+
+Per case (B concurrent streamed requests on C-token prompts, greedy): decode tokens/s with the
+profiler off (the engine benchmark's probe, median of ``repeats``), then the same requests again
+with every server process sampling its own main thread (:mod:`cedar.backend.serving.stack_sampler`;
+the prompts were prefilled by the unsampled runs, so the sampled window is nearly all decode).
+The scheduler's samples are put in one bucket each (:data:`BUCKETS`, first match wins) and
+reported as shares, with the frames that hold the most samples themselves. Shares, not times:
+a sample lands at the next bytecode boundary (see the sampler's note), and sampling slows the
+server a little, so the tok/s figures come from the unsampled runs.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import statistics
+import time
+from pathlib import Path
+
+from cedar.backend.serving.launch import ServeConfig
+from cedar.backend.serving.process import ServerProcess, free_port
+from cedar.backend.serving.stack_sampler import ENV
+
+from .engine import ENGINE_FLAGS, SGLangClient, decode_rate
+
+# (bucket, a frame the stack must hold); the first match names a sample's bucket
+BUCKETS = (
+    ("LM head (SGLang's LogitsProcessor)", "logits_processor.py:forward"),
+    ("sampling", "sampler.py:forward"),
+    ("Cedar: native decode step (C++)", "native_step.py:native_decode"),
+    ("Cedar: Python around the kernels (plan, tables, pools, commit)", "served_model.py:forward"),
+    ("SGLang: decode slot allocation", "schedule_batch.py:prepare_for_decode"),
+    ("SGLang: batch scheduling", "scheduler.py:get_next_batch_to_run"),
+    ("SGLang: results and streaming to the detokenizer", "scheduler.py:process_batch_result"),
+    ("SGLang: forward set-up (ForwardBatch, model runner)", "scheduler.py:run_batch"),
+    ("SGLang: receiving requests", "scheduler.py:ingest_requests"),
+)
+OTHER = "other scheduler loop"
+SCHEDULER_FRAME = "scheduler.py:run_scheduler_process"
+
+
+def read_stacks(path: Path) -> collections.Counter:
+    counts: collections.Counter = collections.Counter()
+    for line in path.read_text().splitlines():
+        stack, n = line.rsplit(" ", 1)
+        counts[stack] += int(n)
+    return counts
+
+
+def bucket_of(stack: str) -> str:
+    frames = set(stack.split(";"))
+    return next((name for name, frame in BUCKETS if frame in frames), OTHER)
+
+
+def breakdown(counts: collections.Counter, top: int = 12) -> dict:
+    """Shares of the samples by bucket, and the frames that hold the most samples themselves."""
+    total = sum(counts.values())
+    if not total:
+        raise ValueError("no samples to break down")
+    buckets: collections.Counter = collections.Counter()
+    own: collections.Counter = collections.Counter()
+    for stack, n in counts.items():
+        buckets[bucket_of(stack)] += n
+        own[stack.rsplit(";", 1)[-1]] += n
+    return {"samples": total,
+            "buckets": {name: round(buckets[name] / total, 4) for name in [b for b, _ in BUCKETS] + [OTHER]},
+            "top_self_frames": [{"frame": f, "share": round(n / total, 4)} for f, n in own.most_common(top)]}
+
+
+def scheduler_stacks(directory: Path) -> collections.Counter:
+    """The samples of the scheduler process (the one whose stacks start in its entry point)."""
+    for path in sorted(directory.glob("stacks-*.txt")):
+        counts = read_stacks(path)
+        if any(SCHEDULER_FRAME in stack for stack in counts):
+            return counts
+    raise RuntimeError(f"no scheduler samples in {directory} (is the plugin loaded in the scheduler?)")
+
+
+def run_scheduler_bench(model_dir: Path, cases: tuple[tuple[int, int], ...] = ((1, 512), (8, 512)),
+                        tokens: int = 200, repeats: int = 2, log=print) -> dict:
+    from cedar.backend.config import CEDConfig
+
+    vocab = CEDConfig.load(model_dir).vocab_size
+    port = free_port()
+    sample_dir = Path(f"/tmp/cedar-stacks-{port}")
+    sample_dir.mkdir(parents=True, exist_ok=True)
+    for old in sample_dir.glob("*"):
+        old.unlink()
+    cfg = ServeConfig(model=str(model_dir), port=port, extra=ENGINE_FLAGS)
+    saved = os.environ.get(ENV)
+    os.environ[ENV] = str(sample_dir)  # NOTE: the server's processes inherit it (ServeConfig.env)
+    report = {"model": str(model_dir), "server_argv": cfg.argv()[1:], "tokens": tokens, "repeats": repeats,
+              "cases": []}
+    try:
+        with ServerProcess(cfg, log_path=sample_dir / "server.log") as srv:
+            client = SGLangClient(cfg.host, cfg.port)
+            decode_rate(client, 1, 64, 16, vocab, seed=7)  # warm-up
+            for batch, context in cases:
+                seed = 1000 * batch + context
+                rates = [decode_rate(client, batch, context, tokens, vocab, seed)["tok_s"] for _ in range(repeats)]
+                (sample_dir / "on").touch()
+                try:
+                    sampled = decode_rate(client, batch, context, tokens, vocab, seed)["tok_s"]
+                finally:
+                    (sample_dir / "on").unlink()
+                time.sleep(4 * 0.002 + 0.5)  # every sampler sees the file gone and writes its stacks
+                counts = scheduler_stacks(sample_dir)
+                for done in sample_dir.glob("stacks-*.txt"):
+                    done.unlink()
+                case = {"case": f"decode b{batch} ctx{context}", "batch": batch, "context": context,
+                        "tok_s": statistics.median(rates), "tok_s_runs": rates, "ms_per_step": round(
+                            1000 * batch / statistics.median(rates), 2),
+                        "tok_s_while_sampled": sampled, "scheduler": breakdown(counts)}
+                report["cases"].append(case)
+                log(f"[bench scheduler] {case['case']}: {case['tok_s']} tok/s ({case['ms_per_step']} ms a step); "
+                    + ", ".join(f"{k} {v:.0%}" for k, v in case["scheduler"]["buckets"].items() if v >= 0.02))
+    finally:
+        if saved is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = saved
+    return report
+
+
+def plot_report(report: dict, png: Path) -> None:
+    """One bar a case: the scheduler thread's samples by bucket, stacked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [b for b, _ in BUCKETS] + [OTHER]
+    cases = report["cases"]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    left = [0.0] * len(cases)
+    colors = plt.get_cmap("tab20").colors
+    for i, name in enumerate(names):
+        shares = [c["scheduler"]["buckets"][name] for c in cases]
+        ax.barh([f"{c['case']}\n{c['tok_s']:.0f} tok/s" for c in cases], shares, left=left, label=name,
+                color=colors[i % len(colors)])
+        left = [a + b for a, b in zip(left, shares)]
+    ax.set_xlim(0, 1)
+    ax.set_xlabel("share of the scheduler thread's samples")
+    ax.set_title("cedar bench scheduler: a served decode step on SGLang's scheduler thread")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
