@@ -130,8 +130,9 @@ def main(model_dir: str, eval_json: str, fidelity_json: str) -> None:
     ev = json.loads(Path(eval_json).read_text())
     fid = json.loads(Path(fidelity_json).read_text())
     cfg = json.loads((model_dir / "config.json").read_text())
+    beyond = bool(cfg.get("decoder_global_beyond_window"))
     beyond_text = ("; `decoder_global_beyond_window`: the decoder's indexers choose among global entries whose token "
-                   "has left the window" if cfg.get("decoder_global_beyond_window") else "")
+                   "has left the window" if beyond else "")
     splits = ev["splits"]
     held_out = splits["heldout"]
     tasks = held_out["per_kind"]
@@ -216,7 +217,7 @@ pools); the default model of `cedar serve`, `cedar agent run` and `make demo`.
 Copy probes of the last stage's final eval (`cedar train --probe-only MODEL_DIR` measures them on
 any model folder; through the training forward with bounded replay simulated):
 
-{probes_table(probes, bool(cfg.get('decoder_global_beyond_window')))}
+{probes_table(probes, beyond)}
 
   The batched training forward (`cedar.training.dense`) computes the served model's maths
   (checked against the reference to 2e-5). 35% of steps simulate an encoder-side prefix hit with

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from cedar.backend.serving.launch import ServeConfig
 from cedar.backend.serving.process import ServerProcess, free_port
-from cedar.backend.serving.stack_sampler import ENV
+from cedar.backend.serving.stack_sampler import ENV, PERIOD_S
 
 from .engine import ENGINE_FLAGS, SGLangClient, decode_rate
 
@@ -72,13 +72,18 @@ def breakdown(counts: collections.Counter, top: int = 12) -> dict:
             "top_self_frames": [{"frame": f, "share": round(n / total, 4)} for f, n in own.most_common(top)]}
 
 
-def scheduler_stacks(directory: Path) -> collections.Counter:
-    """The samples of the scheduler process (the one whose stacks start in its entry point)."""
-    for path in sorted(directory.glob("stacks-*.txt")):
-        counts = read_stacks(path)
-        if any(SCHEDULER_FRAME in stack for stack in counts):
-            return counts
-    raise RuntimeError(f"no scheduler samples in {directory} (is the plugin loaded in the scheduler?)")
+def scheduler_stacks(directory: Path, timeout_s: float = 5.0) -> collections.Counter:
+    """The samples of the scheduler process (the one whose stacks start in its entry point), once
+    its sampler has seen the control file gone and written them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for path in sorted(directory.glob("stacks-*.txt")):
+            counts = read_stacks(path)
+            if any(SCHEDULER_FRAME in stack for stack in counts):
+                return counts
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no scheduler samples in {directory} (is the plugin loaded in the scheduler?)")
+        time.sleep(10 * PERIOD_S)
 
 
 def run_scheduler_bench(model_dir: Path, cases: tuple[tuple[int, int], ...] = ((1, 512), (8, 512)),
@@ -108,13 +113,12 @@ def run_scheduler_bench(model_dir: Path, cases: tuple[tuple[int, int], ...] = ((
                     sampled = decode_rate(client, batch, context, tokens, vocab, seed)["tok_s"]
                 finally:
                     (sample_dir / "on").unlink()
-                time.sleep(4 * 0.002 + 0.5)  # every sampler sees the file gone and writes its stacks
                 counts = scheduler_stacks(sample_dir)
                 for done in sample_dir.glob("stacks-*.txt"):
                     done.unlink()
+                tok_s = statistics.median(rates)
                 case = {"case": f"decode b{batch} ctx{context}", "batch": batch, "context": context,
-                        "tok_s": statistics.median(rates), "tok_s_runs": rates, "ms_per_step": round(
-                            1000 * batch / statistics.median(rates), 2),
+                        "tok_s": tok_s, "tok_s_runs": rates, "ms_per_step": round(1000 * batch / tok_s, 2),
                         "tok_s_while_sampled": sampled, "scheduler": breakdown(counts)}
                 report["cases"].append(case)
                 log(f"[bench scheduler] {case['case']}: {case['tok_s']} tok/s ({case['ms_per_step']} ms a step); "

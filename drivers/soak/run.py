@@ -17,6 +17,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from ..bench.common import machine_info
 from .bad_input import catalogue
@@ -61,8 +62,14 @@ def _rss_mb(pid: int | None) -> float | None:
     return round(sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)]) / 2**20, 1)
 
 
-def _verify_sentinels(records, ref) -> tuple[int, list[dict], int]:
-    """(checked, mismatches, retracted) of the sentinels against the reference's greedy answer.
+class SentinelCheck(NamedTuple):
+    checked: int  # compared with the reference
+    mismatches: list[dict]  # a wrong token or an unexpected hit
+    retracted: int  # not compared (see ``_verify_sentinels``)
+
+
+def _verify_sentinels(records, ref) -> SentinelCheck:
+    """The sentinels against the reference's greedy answer.
 
     A sentinel SGLang retracted (pool pressure) is not compared: it is re-admitted with its prompt
     still in the radix tree (a retraction frees the request's slots but not the tree's copy), so
@@ -85,7 +92,7 @@ def _verify_sentinels(records, ref) -> tuple[int, list[dict], int]:
             first = next(i for i, (a, b) in enumerate(zip(want, r.output_ids)) if a != b)
             bad.append({"prompt_len": len(r.ids), "hit": r.cached_tokens, "first_wrong": first,
                         "served": r.output_ids, "reference": want})
-    return checked, bad, retracted
+    return SentinelCheck(checked, bad, retracted)
 
 
 def _phase_report(i, t0, load, state, sentinels, rss, drained) -> dict:
@@ -97,7 +104,8 @@ def _phase_report(i, t0, load, state, sentinels, rss, drained) -> dict:
     return {"phase": i, "t_s": round(time.time() - t0, 1), "counts": {k: v for k, v in load.counts.snapshot().items()
                                                                       if not isinstance(v, list)},
             "integrity_ok": ok, "drained": drained, "integrity": integ, "rss_mb": rss,
-            "sentinels_checked": sentinels[0], "sentinel_mismatches": sentinels[1], "sentinels_retracted": sentinels[2],
+            "sentinels_checked": sentinels.checked, "sentinel_mismatches": sentinels.mismatches,
+            "sentinels_retracted": sentinels.retracted,
             "snapshots": state.get("snapshots"), "replayed_tokens_total": state.get("replayed_tokens_total")}
 
 
@@ -141,7 +149,8 @@ def run_soak(cfg: SoakConfig, model_dir: Path, out_json: Path, server_url: str |
                 log(f"[soak] phase {i + 1}/{n_phases} at {phase['t_s']:.0f} s: sent {c['sent']} finished "
                     f"{c['finished']} aborted {c['aborted']} cut {c['disconnected']} rejected {c['rejected']} hung "
                     f"{c['hung']} lost {c['lost']}; integrity {'ok' if phase['integrity_ok'] else 'BROKEN'}; "
-                    f"sentinels {sentinels[0]} checked, {len(sentinels[1])} wrong, {sentinels[2]} retracted (not compared); RSS {phase['rss_mb']} MB")
+                    f"sentinels {sentinels.checked} checked, {len(sentinels.mismatches)} wrong, {sentinels.retracted} retracted "
+                    f"(not compared); RSS {phase['rss_mb']} MB")
                 load.resume()
         finally:
             load.close()
@@ -200,6 +209,6 @@ def _report(cfg, model_dir, url, argv, load, phases, t0, sglang_version) -> dict
         "server_argv": argv, "config": asdict(cfg), "wall_s": round(time.time() - t0, 1),
         "counts": counts, "integrity_failures": sum(not p["integrity_ok"] for p in phases), "rss_mb": rss, "rss_growth_after_warmup_pct": growth,
         "sentinels_checked": sum(p["sentinels_checked"] for p in phases), "sentinel_mismatches": mismatches,
-        "sentinels_retracted": sum(p.get("sentinels_retracted", 0) for p in phases),
+        "sentinels_retracted": sum(p["sentinels_retracted"] for p in phases),
         "phases": phases,
     }
