@@ -82,7 +82,7 @@ def _cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     ensure_model(Path(args.model))
     flags = ServingFlags(replay=args.replay, narrow=not args.no_narrow,
                          replay_per_request=args.replay_per_request, snapshot_mb=args.snapshot_mb,
-                         kernels=args.kernels)
+                         kernels=args.kernels, decode_threads=args.decode_threads)
     cfg = ServeConfig(model=args.model, host=args.host, port=args.port, flags=flags, extra=tuple(extra))
     if args.replicas > 1:
         return _serve_replicas(cfg, args)
@@ -144,6 +144,9 @@ def register(sub) -> None:
     s.add_argument("--kernels", choices=["torch", "triton", "fast"], default=None,
                    help="kernel backend (default: triton on CUDA, the fast C++ kernels on CPU; triton on CPU "
                         "runs interpreted: slow, for checks)")
+    s.add_argument("--decode-threads", type=int, default=1,
+                   help="CPU threads of a decode step (0: the server's threads, as a prefill); one leaves "
+                        "the other core to SGLang's tokenizer and detokenizer, which handle every streamed token")
     s.add_argument("--replicas", type=int, default=1,
                    help="N > 1: N servers (ports PORT+1...) behind SGLang's router on PORT")
     s.add_argument("--router-policy", default="cache_aware",

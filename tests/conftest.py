@@ -51,6 +51,16 @@ def pytest_sessionfinish(session, exitstatus):
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """A runtime's decode step leaves the process on its decode threads (as a server should):
+    every test starts on the threads the session started with."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The shipped geometry with random weights (seed 0), built once per session."""

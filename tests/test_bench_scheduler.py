@@ -41,6 +41,7 @@ def test_bench_scheduler_profiles_a_real_servers_scheduler(tiny_model_dir, tmp_p
     assert (tmp_path / "sched.png").stat().st_size > 0
     (case,) = report["cases"]
     assert case["case"] == "decode b1 ctx128" and case["tok_s"] > 0 and case["tok_s_while_sampled"] > 0
+    assert len(case["tok_s_runs_decode_on_server_threads"]) == 1 and case["tok_s_decode_on_server_threads"] > 0
     sched = case["scheduler"]
     assert sched["samples"] >= 20 and set(sched["buckets"]) == {b for b, _ in BUCKETS} | {OTHER}
     cedar = sum(v for k, v in sched["buckets"].items() if k.startswith("Cedar"))

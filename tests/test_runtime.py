@@ -130,6 +130,27 @@ def test_scheduler_facts_reach_the_planner_through_the_step(model):
     assert d.rt._facts == {}
 
 
+
+def test_a_decode_step_runs_on_the_decode_threads_and_a_prefill_on_the_servers(model):
+    """``decode_threads`` = 1: a decode step (and SGLang's sampling after it) runs on one CPU
+    thread, a prefill on the server's; 0: every step on the server's. The hidden states are the
+    same bits either way (every kernel splits work by rows, never a reduction)."""
+    torch.set_num_threads(2)  # NOTE: the conftest puts the process's threads back after each test
+    drivers = {n: Driver(model, ServingFlags(decode_threads=n), num_slots=2048, num_reqs=2) for n in (1, 0)}
+    seen, hidden = {}, {}
+    for n, d in drivers.items():
+        reqs = [Req(f"r{i}", i, [10 + (7 * i + j) % 90 for j in range(80)]) for i in range(2)]
+        outs, threads = [], []
+        for batch in ([(reqs[0], 40), (reqs[1], 40)], [(r, 1) for r in reqs], [(r, 1) for r in reqs],
+                      [(reqs[0], 30)], [(r, 1) for r in reqs]):
+            outs.append(d.run(batch).hidden)
+            threads.append(torch.get_num_threads())
+        seen[n], hidden[n] = threads, outs
+    assert seen[1] == [2, 1, 1, 2, 1] and seen[0] == [2] * 5
+    assert all(torch.equal(a, b) for a, b in zip(hidden[1], hidden[0]))
+    with pytest.raises(ValueError, match="decode_threads"):
+        ServingFlags(decode_threads=-1)
+
 def test_switches_flip_the_flags_and_bad_ones_are_refused(model):
     rt = CedarRuntime(model, ServingFlags(), torch.device("cpu"))
     rt.set_switch("cedar_narrow", False)

@@ -291,3 +291,20 @@ def test_server_runs_the_fast_cpu_kernels(checked_server):
     kernels = checked_server.cedar_state()["kernels"]
     assert kernels == {"backend": KernelSet.for_device("cpu").backend, "cpu_ext": cpu_ext.available()}
     assert kernels["backend"] == "fast"
+
+
+def test_decode_steps_run_on_one_thread_and_the_switch_gives_them_the_servers(checked_server, ref):
+    """``decode_threads`` (1 by default): after a generation the scheduler's torch is on one
+    thread (the last step decoded); with the benchmark switch off, on the server's; the tokens
+    are the reference's either way."""
+    ids, other = prompt(200, 41), prompt(200, 42)
+    assert_matches(generate(checked_server, ids), reference(ref, ids))
+    threads = checked_server.cedar_state()["threads"]
+    assert threads["decode"] == 1 and threads["now"] == 1 and threads["server"] >= 1
+    switch(checked_server, cedar_decode_one_thread=0)
+    try:
+        assert_matches(generate(checked_server, other), reference(ref, other))
+        threads = checked_server.cedar_state()["threads"]
+        assert threads["decode"] == threads["now"] == threads["server"]
+    finally:
+        switch(checked_server, cedar_decode_one_thread=1)

@@ -27,7 +27,7 @@ from torch import Tensor
 from cedar.kernels.plans import GlobalPlan, WindowPlan, global_plan, segments, window_plan
 
 from ..config import CEDConfig
-from ..rows import RowBatch
+from ..rows import RowBatch, cu_seqlens
 from .planner import ServedForward
 from .pools import RequestSlots
 
@@ -126,7 +126,7 @@ class BatchTables:
                              dtype=torch.long).view(-1, 5).T.contiguous().to(dev)
         slot, seq, first, floor, prefix = facts.unbind(0)
         if all(r.num_rows == 1 and r.decoder == "all" for r in reqs):
-            return cls._decode(cfg, reqs, slot, seq, prefix, first, floor)
+            return cls._decode(cfg, reqs, plan.batch, slot, seq, prefix, floor)
         enc = _row_set(first, [r.seq_len - r.row_start for r in reqs])
         # NOTE: a tail starts at the last W positions, or where the slot's decoder state ends (a
         # restored snapshot's decoder continues from it, reading its rings); only a tail that cut
@@ -150,14 +150,17 @@ class BatchTables:
                    torch.cat([r.token_slots for r in reqs]), torch.cumsum(seq, 0) - seq, tuple(reqs))
 
     @classmethod
-    def _decode(cls, cfg: CEDConfig, reqs, slot: Tensor, seq: Tensor, prefix: Tensor, first: Tensor,
+    def _decode(cls, cfg: CEDConfig, reqs, batch: RowBatch, slot: Tensor, seq: Tensor, prefix: Tensor,
                 floor: Tensor) -> "BatchTables":
         """A decode step (one row per request, the decoder on it): the same tables, written down
-        directly (NOTE: the encoder and decoder rows are one row set, so RoPE tables are shared)."""
+        directly. batch: the plan's rows, one a request at its first (only) position.
+        NOTE: the encoder and decoder rows are one row set over the plan's own RowBatch, so every
+        RoPE table of the step is computed once."""
         B, W, dev = len(reqs), cfg.sliding_window, slot.device
         rows = torch.arange(B, device=dev)
         ones = torch.ones(B, dtype=torch.long, device=dev)
-        enc = RowSet(RowBatch(first, (1,) * B), first, ones, torch.arange(B + 1, device=dev), rows)
+        first = batch.pos
+        enc = RowSet(batch, first, ones, torch.arange(B + 1, device=dev), rows)
         return cls(cfg, slot, seq, prefix, enc, enc, floor, floor, rows, rows, rows, slot * W + first % W,
                    torch.cat([r.token_slots for r in reqs]), torch.cumsum(seq, 0) - seq, tuple(reqs),
                    single_row=True)
@@ -210,13 +213,14 @@ class BatchTables:
             else:
                 pending.append(b)
             start += q.seq_len
-        long = dict(dtype=torch.long, device=self.slots.device)
         src = [len(reqs) + reqs[b].slot * t + j if j < r - 1 else b for b in done for j in range(r)]
-        dst = self.token_slot_flat[torch.tensor(flat, **long)] // r
-        return GroupWrites(torch.tensor(src, **long), torch.tensor([reqs[b].row_start - (r - 1) for b in done], **long),
-                           dst, torch.tensor(pending, **long),
-                           torch.tensor([reqs[b].slot * t + reqs[b].row_start % r for b in pending], **long),
-                           self.seq_len % r)
+        first_pos = [reqs[b].row_start - (r - 1) for b in done]
+        tail_dst = [reqs[b].slot * t + reqs[b].row_start % r for b in pending]
+        # NOTE: one host -> device copy for the five index lists
+        cut = torch.tensor(src + first_pos + flat + pending + tail_dst, dtype=torch.long).to(self.slots.device)
+        src_t, first_t, flat_t, pending_t, tail_t = cut.split([len(src), len(done), len(done), len(pending),
+                                                               len(pending)])
+        return GroupWrites(src_t, first_t, self.token_slot_flat[flat_t] // r, pending_t, tail_t, self.seq_len % r)
 
     def _check_tails(self, r: int, tail_len: Tensor | None, expected: Tensor) -> None:
         """NOTE: checked on the device (an asynchronous assert there; it raises at once on CPU)."""
@@ -226,13 +230,28 @@ class BatchTables:
 
     def entries(self, ratio: int, lag: int = 0) -> EntryLayout:
         """Every request's entries of one ratio; ``lag``: the source's :meth:`CEDConfig.global_lag`."""
-        if (ratio, lag) not in self._entries:
+        if (ratio, lag) in self._entries:
+            return self._entries[ratio, lag]
+        if self.single_row:
+            self._entries[ratio, lag] = self._decode_entries(ratio, lag)
+        else:
             counts = self.seq_len // ratio
             req, g = segments(counts, sum(r.seq_len // ratio for r in self.requests))
             cu = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
             rows = self.token_slot_flat[self.token_slot_start[req] + g * ratio] // ratio
             self._entries[ratio, lag] = EntryLayout(rows, (g + 1) * ratio - 1 + lag, cu.int())
         return self._entries[ratio, lag]
+
+    def _decode_entries(self, ratio: int, lag: int) -> EntryLayout:
+        """:meth:`entries` of a decode step from the host facts: a request's entry rows are every
+        ``ratio``-th of its token slots (a strided view), its entry positions a prefix of one
+        arange (NOTE: the same values as the general path in a third of the ops)."""
+        counts = [r.seq_len // ratio for r in self.requests]
+        rows = torch.cat([r.token_slots[:c * ratio:ratio] for r, c in zip(self.requests, counts)]) // ratio
+        g = torch.arange(max(counts, default=0), device=self.slots.device)
+        g = torch.cat([g[:c] for c in counts]) if len(counts) > 1 else g
+        cu = cu_seqlens(counts, self.slots.device)
+        return EntryLayout(rows, (g + 1) * ratio - 1 + lag, cu)
 
     def global_plan(self, decoder: bool, ratio: int) -> GlobalPlan:
         key = (decoder, ratio)

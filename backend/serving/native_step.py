@@ -85,7 +85,7 @@ def native_decode(model: CEDModel, h: Tensor, batch: RowBatch, keys: PoolKeys) -
     dec = t.dec.batch
     enc_rope = batch.rope(cfg.kv_latent_dim, cfg.rope_dim, cfg.rope_theta, model.fast)
     dec_rope = dec.rope(cfg.kv_latent_dim, cfg.rope_dim, cfg.rope_theta, model.fast)
-    floors = {d: keys.window_floor(E + 1 if d else E).long()[t.enc.owner] for d in (False, True)}
+    floors = {d: keys.window_floor(E + 1 if d else E) for d in (False, True)}  # NOTE: decode row b is request b
     enc_out = slots.enc_out.view(-1, h.shape[1])
     step = [enc_rope.cos, enc_rope.sin, enc_rope.sin_inverse, enc_rope.partner, dec_rope.cos, dec_rope.sin,
             dec_rope.sin_inverse, t.slots, batch.pos, dec.pos, floors[False], floors[True], t.dec_src, enc_out,

@@ -46,8 +46,15 @@ class ServingFlags:
     snapshot_mb: float = 64.0  # exact-continuation snapshots budget (0: none)
     snapshots: bool = True  # restore/save snapshots (a runtime switch; the budget stays allocated)
     kernels: str | None = None  # the kernel backend (cedar.kernels.dispatch); None: the device's default
+    # NOTE: CPU threads a decode step runs on (0: the server's, as every other step). A served
+    # decode step shares the machine with SGLang's tokenizer and detokenizer processes, which
+    # handle every streamed token: a second OpenMP thread then waits on a busy core more than it
+    # helps (`cedar bench scheduler`, the README's figures), while a prefill wants every core.
+    decode_threads: int = 1
 
     def __post_init__(self) -> None:
+        if self.decode_threads < 0:
+            raise ValueError(f"decode_threads must be >= 0 (0: the server's threads), got {self.decode_threads}")
         if self.replay not in REPLAY_MODES:
             raise ValueError(f"replay mode must be one of {REPLAY_MODES}, got {self.replay!r}")
         if self.kernels is not None and self.kernels not in BACKENDS:

@@ -73,7 +73,9 @@ SWITCHES = {
     "cedar_narrow": lambda on: dict(narrow=on),
     "cedar_replay_exact": lambda on: dict(replay="exact" if on else "bounded"),
     "cedar_snapshots": lambda on: dict(snapshots=on),
+    "cedar_decode_one_thread": lambda on: dict(decode_threads=1 if on else 0),  # 0: the server's threads
 }
+DECODE_THREADS_SWITCH = "cedar_decode_one_thread"
 REPLAY_SWITCH = "cedar_replay_per_request"
 
 
@@ -144,6 +146,7 @@ class CedarRuntime:
         self.slots: RequestSlots | None = None
         self.snapshots: SnapshotStore | None = None
         self.stats = ServingStats()
+        self.threads = torch.get_num_threads()  # the server's CPU threads: every step but decode runs on them
         self.sglang_pool = None  # the SGLang request-to-token pool this runtime was allocated against
         self.req_to_token: Tensor | None = None  # its table: (request slots, max len) int32
         # NOTE: per-request facts of the scheduler, keyed by (request slot, prefix length), each
@@ -272,6 +275,8 @@ class CedarRuntime:
         state["forward_ms"] = self.stats.forward_summary()
         state["forward_rows_max"] = dict(self.stats.rows_max)
         state["kernels"] = self.kernel_info()
+        state["threads"] = {"server": self.threads, "decode": self._threads_for("decode"),
+                            "now": torch.get_num_threads()}
         state["flags"] = dataclasses.asdict(self.flags)
         return state
 
@@ -291,6 +296,7 @@ class CedarRuntime:
         """One forward of SGLang's scheduled rows. input_ids: (sum(extend_lens),) int on the pools'
         device; the pools' token ids of the scheduled slots are already written (:meth:`write_ids`)."""
         self._ensure_pools()
+        self._use_threads(inp.kind)
         # NOTE: facts are noted for prefill chunks only: a decode step never takes one (a stale
         # entry taken there would skip its decoder)
         infos = [RequestInfo()] * len(inp.rids) if inp.kind == "decode" else \
@@ -304,6 +310,18 @@ class CedarRuntime:
         hidden, decoded = served_step(self.model, self.pools, self.slots, plan, input_ids.shape[0])
         self.stats.record(plan, inp.kind)
         return StepOutput(hidden, decoded, plan, inp.kind)
+
+    def _use_threads(self, kind: str) -> None:
+        """Run this step on ``flags.decode_threads`` CPU threads if it decodes (at most the
+        server's), else on the server's. The setting stays for what SGLang runs after the model
+        (the LM head, sampling) and is changed only when the step kind changes."""
+        if self.device.type == "cpu" and torch.get_num_threads() != (n := self._threads_for(kind)):
+            torch.set_num_threads(n)
+
+    def _threads_for(self, kind: str) -> int:
+        if kind == "decode" and self.flags.decode_threads:
+            return min(self.flags.decode_threads, self.threads)
+        return self.threads
 
     def write_ids(self, token_slots: Tensor, input_ids: Tensor) -> None:
         """SGLang wrote the scheduled rows' K/V slots (``out_cache_loc``); record their token ids."""

@@ -5,7 +5,9 @@ LM head, sampling, decode-slot allocation, result processing and streaming, rece
     cedar bench scheduler --json OUT [--model M] [--tokens 200] [--cases 1x512,8x512]
 
 Per case (B concurrent streamed requests on C-token prompts, greedy): decode tokens/s with the
-profiler off (the engine benchmark's probe, median of ``repeats``), then the same requests again
+profiler off (the engine benchmark's probe, median of ``repeats``; each repeat also runs once with
+every step on the server's threads, ``decode_threads`` 0 through the runtime switch, alternating,
+so the report holds the one-thread decode's gain measured side by side), then the same requests again
 with every server process sampling its own main thread (:mod:`cedar.backend.serving.stack_sampler`;
 the prompts were prefilled by the unsampled runs, so the sampled window is nearly all decode).
 The scheduler's samples are put in one bucket each (:data:`BUCKETS`, first match wins) and
@@ -26,6 +28,9 @@ from cedar.backend.serving.launch import ServeConfig
 from cedar.backend.serving.process import ServerProcess, free_port
 from cedar.backend.serving.stack_sampler import ENV, PERIOD_S
 
+from cedar.backend.serving.runtime import DECODE_THREADS_SWITCH
+
+from .common import set_switch
 from .engine import ENGINE_FLAGS, SGLangClient, decode_rate
 
 # (bucket, a frame the stack must hold); the first match names a sample's bucket
@@ -107,7 +112,11 @@ def run_scheduler_bench(model_dir: Path, cases: tuple[tuple[int, int], ...] = ((
             decode_rate(client, 1, 64, 16, vocab, seed=7)  # warm-up
             for batch, context in cases:
                 seed = 1000 * batch + context
-                rates = [decode_rate(client, batch, context, tokens, vocab, seed)["tok_s"] for _ in range(repeats)]
+                rates, server_threads = [], []
+                for _ in range(repeats):  # NOTE: the server's setting (one decode thread) last, as sampled
+                    for one, out in ((False, server_threads), (True, rates)):
+                        set_switch(srv, DECODE_THREADS_SWITCH, one)
+                        out.append(decode_rate(client, batch, context, tokens, vocab, seed)["tok_s"])
                 (sample_dir / "on").touch()
                 try:
                     sampled = decode_rate(client, batch, context, tokens, vocab, seed)["tok_s"]
@@ -119,9 +128,12 @@ def run_scheduler_bench(model_dir: Path, cases: tuple[tuple[int, int], ...] = ((
                 tok_s = statistics.median(rates)
                 case = {"case": f"decode b{batch} ctx{context}", "batch": batch, "context": context,
                         "tok_s": tok_s, "tok_s_runs": rates, "ms_per_step": round(1000 * batch / tok_s, 2),
+                        "tok_s_decode_on_server_threads": statistics.median(server_threads),
+                        "tok_s_runs_decode_on_server_threads": server_threads,
                         "tok_s_while_sampled": sampled, "scheduler": breakdown(counts)}
                 report["cases"].append(case)
-                log(f"[bench scheduler] {case['case']}: {case['tok_s']} tok/s ({case['ms_per_step']} ms a step); "
+                log(f"[bench scheduler] {case['case']}: {case['tok_s']} tok/s ({case['ms_per_step']} ms a step; every "
+                    f"step on the server's threads: {case['tok_s_decode_on_server_threads']} tok/s); "
                     + ", ".join(f"{k} {v:.0%}" for k, v in case["scheduler"]["buckets"].items() if v >= 0.02))
     finally:
         if saved is None:
