@@ -82,7 +82,8 @@ def _cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     ensure_model(Path(args.model))
     flags = ServingFlags(replay=args.replay, narrow=not args.no_narrow,
                          replay_per_request=args.replay_per_request, snapshot_mb=args.snapshot_mb,
-                         kernels=args.kernels, decode_threads=args.decode_threads)
+                         kernels=args.kernels, decode_threads=args.decode_threads,
+                         weights=args.weights)
     cfg = ServeConfig(model=args.model, host=args.host, port=args.port, flags=flags, extra=tuple(extra))
     if args.replicas > 1:
         return _serve_replicas(cfg, args)
@@ -147,6 +148,9 @@ def register(sub) -> None:
     s.add_argument("--decode-threads", type=int, default=1,
                    help="CPU threads of a decode step (0: the server's threads, as a prefill); one leaves "
                         "the other core to SGLang's tokenizer and detokenizer, which handle every streamed token")
+    s.add_argument("--weights", choices=["float32", "bf16"], default="float32",
+                   help="bf16: each projection weight rounded to bf16 at load, a decode step reading bf16 "
+                        "copies (half the bytes; the served tokens are those of the rounded model)")
     s.add_argument("--replicas", type=int, default=1,
                    help="N > 1: N servers (ports PORT+1...) behind SGLang's router on PORT")
     s.add_argument("--router-policy", default="cache_aware",

@@ -52,7 +52,10 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
     from cedar.backend.serve_demo import ensure_model
 
     ensure_model(Path(args.model))
-    report = run_engine_benchmark(Path(args.model), Path(args.json), args.plot, QUICK if args.quick else EngineGrid())
+    from cedar.backend.serving.planner import ServingFlags
+
+    report = run_engine_benchmark(Path(args.model), Path(args.json), args.plot, QUICK if args.quick else EngineGrid(),
+                                  flags=ServingFlags(weights=args.weights))
     print(format_table(report["table"]))
     print(f"[bench engine] {report['wall_s']} s; wrote {args.json}" + (f" and {args.plot}" if args.plot else ""))
     return 0
@@ -133,7 +136,10 @@ def _cmd_bench_scheduler(args: argparse.Namespace) -> int:
             raise ValueError
     except ValueError:
         raise SystemExit(f"--cases: expected BATCHxCONTEXT[,BATCHxCONTEXT...], got {args.cases!r}") from None
-    report = run_scheduler_bench(Path(args.model), cases, args.tokens, args.repeats)
+    from cedar.backend.serving.planner import ServingFlags
+
+    report = run_scheduler_bench(Path(args.model), cases, args.tokens, args.repeats,
+                                 flags=ServingFlags(weights=args.weights))
     report["machine"] = machine_info()
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
@@ -201,6 +207,9 @@ def _add_bench(sub) -> None:
         s.add_argument("--plot", default=None, help="also write a PNG bar chart here")
         s.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
         s.add_argument("--quick", action="store_true", help=quick)
+        if name == "engine":
+            s.add_argument("--weights", choices=["float32", "bf16"], default="float32",
+                           help="Cedar's servers' --weights (the peers serve float32)")
         s.set_defaults(fn=fn)
     s = kinds.add_parser("bound", help="the memory-bandwidth bound of a decode step: bytes it must read "
                          "over this machine's measured read bandwidth")
@@ -248,6 +257,7 @@ def _add_bench(sub) -> None:
     s.add_argument("--repeats", type=int, default=2, help="unsampled runs a case (their median tok/s)")
     s.add_argument("--cases", default="1x512,8x512", help="BATCHxCONTEXT, comma-separated")
     s.add_argument("--plot", default=None, help="also write a PNG (the buckets' shares a case) here")
+    s.add_argument("--weights", choices=["float32", "bf16"], default="float32", help="the server's --weights")
     s.set_defaults(fn=_cmd_bench_scheduler)
     agents_cli.register(kinds)  # `cedar bench agents`: the agent-load matrix
 

@@ -28,6 +28,26 @@ def test_table_ratios_say_how_much_better_cedar_is():
     assert "2.00x" in format_table(table(runs))
 
 
+def test_a_failed_probe_is_that_probes_error_and_the_engines_other_probes_count(tmp_path):
+    """An engine whose b8 decode probe failed keeps its other figures; the failed cell says so,
+    the best peer is chosen among the engines that measured it, and the plot still draws."""
+    from cedar.drivers.bench.engine import plot
+
+    runs = [{"engine": "cedar", "probes": {"decode_b8_ctx8": {"tok_s": 120.0}, "ttft_cold_8": {"ms": 50.0}}},
+            {"engine": "stock", "probes": {"decode_b8_ctx8": {"tok_s": 100.0}, "ttft_cold_8": {"ms": 100.0}}},
+            {"engine": "vllm", "probes": {"decode_b8_ctx8": {"error": "RuntimeError: no interval"},
+                                          "ttft_cold_8": {"ms": 25.0}}}]
+    rows = {r["probe"]: r for r in table(runs)}
+    dec, cold = rows["decode_b8_ctx8"], rows["ttft_cold_8"]
+    assert dec["vllm"] is None and dec["failed"] == ["vllm"] and dec["best_peer"] == "stock"
+    assert dec["cedar_vs_best"] == [1.2]
+    assert cold["vllm"] == 25.0 and cold["best_peer"] == "vllm" and cold["cedar_vs_best"] == [0.5] and "failed" not in cold
+    text = format_table(table(runs))
+    assert "| failed |" in text and "0.50x (vLLM CPU)" in text
+    plot(table(runs), tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
 def test_stock_server_never_loads_cedar_plugin(monkeypatch):
     monkeypatch.setenv("CEDAR_SGLANG_PLUGIN", "1")
     serve = StockServe(model="/m", port=1, extra=("--device", "cpu"))

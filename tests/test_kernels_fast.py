@@ -397,12 +397,14 @@ def test_cpp_rope_tables_and_rotation_are_bit_identical_to_torch(rows):
                                apply_rope(x[:, 0], slow, 16, 10000.0, inverse))
 
 
-def _mixed_decode_steps(model):
+def _mixed_decode_steps(model, weights: str = "float32"):
     """Three requests prefilled (37, 300 and 64 tokens: one past the window), then 6 served decode
-    steps of 1 and 3 requests at odd and even positions -> (each step's StepOutput, pools, slots)."""
+    steps of 1 and 3 requests at odd and even positions -> (each step's StepOutput, pools, slots).
+    weights: the serving flag (bf16: the model's projection weights rounded at allocation)."""
     from cedar.backend.serving.driver import Driver, Req
+    from cedar.backend.serving.planner import ServingFlags
 
-    d = Driver(model, num_slots=4096, num_reqs=3)
+    d = Driver(model, ServingFlags(weights=weights), num_slots=4096, num_reqs=3)
     reqs = [Req(f"r{b}", b, [8 + (7 * b + 3 * i) % 400 for i in range(n)]) for b, n in enumerate((37, 300, 64))]
     for r in reqs:
         d.run([(r, len(r.ids))])
@@ -555,12 +557,14 @@ def test_a_prefills_window_keys_in_one_call_are_bit_identical_to_the_torch_ops(m
 
 
 @needs_ext
-@pytest.mark.parametrize("geometry", ["cedar-tiny", "cedar-agent"])
-def test_a_decode_step_in_one_native_call_is_bit_identical_to_the_per_layer_path(monkeypatch, geometry):
+@pytest.mark.parametrize("geometry, weights", [("cedar-tiny", "float32"), ("cedar-agent", "float32"),
+                                               ("cedar-agent", "bf16")])
+def test_a_decode_step_in_one_native_call_is_bit_identical_to_the_per_layer_path(monkeypatch, geometry, weights):
     """``cedar_cpu::decode_step`` (the layer loop and the cut in C++) against ``run_layers`` over
     PoolKeys' one-call path on the same served decode steps: batches of 1 and 3, groups completing
     or not, a context past the window; every step's hidden rows, ring, pool, tail and stored
-    encoder-output byte equal; and the native call is what ran (counted)."""
+    encoder-output byte equal; and the native call is what ran (counted). With bf16 weights the
+    native call reads bfloat16 copies, the per-layer path the rounded float32 weights."""
     from cedar.backend.geometries import cedar_tiny, geometry as named
     from cedar.backend.model_io import random_model
     from cedar.backend.serving import native_step
@@ -576,8 +580,14 @@ def test_a_decode_step_in_one_native_call_is_bit_identical_to_the_per_layer_path
             monkeypatch.setattr("cedar.backend.serving.step.native_decode", native_step.native_decode)
         else:
             monkeypatch.setattr(native_step, "ENABLED", False)
-        runs.append(_mixed_decode_steps(model))
+        runs.append(_mixed_decode_steps(model, weights))
     (a, pa, sa), (b, pb, sb) = runs
+    nw = native_step.native_weights(model)
+    assert (nw.bf16 is not None) == (weights == "bf16")
+    if nw.bf16 is not None:  # what the native call read: bf16 projections, the rest as they were
+        assert {t.dtype for i, t in enumerate(nw.bf16) if t is not None and i % native_step.NW in native_step.LINEAR} \
+            == {torch.bfloat16}
+        assert nw.bf16[0] is nw.tensors[0] and nw.tensors[1].dtype == torch.float32
     assert len(native_calls) == 6  # every decode step, and no prefill
     for x, y in zip(a, b):
         assert torch.equal(x.decoded, y.decoded) and x.decoded.all() and torch.equal(x.hidden, y.hidden)

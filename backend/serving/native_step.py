@@ -16,6 +16,7 @@ The op reads flat lists; their layouts (per layer: ``NW`` weights, ``NF`` floats
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from dataclasses import dataclass
 
@@ -30,17 +31,22 @@ from ..rows import DecoderRows, RowBatch
 from .pool_keys import PoolKeys
 
 NW, NF, NI, NS, NL = 20, 5, 6, 17, 25
+LINEAR = (1, 2, 4, 5, 7, 9, 10, 11, 13, 14, 16)  # a layer's projection weights among its NW
+LINEAR_ROWS = 8  # NOTE: cedar_cpu::linear's few-row path (kLinearRows); more rows go to at::linear
 ENABLED = True  # NOTE: the tests switch it off to compare with the per-layer path
 
 
 @dataclass(frozen=True)
 class NativeWeights:
     """A model's weights and constants in ``decode_step``'s layout, made once per model (the
-    tensors by reference: an in-place weight update is seen, a replaced Parameter is not)."""
+    tensors by reference: an in-place weight update is seen, a replaced Parameter is not).
+    bf16: the same list with the projection weights as bfloat16 copies, once the model's are
+    bf16 values (:func:`round_to_bf16`); None for a float32 model."""
 
     tensors: list[Tensor | None]  # L * NW
     floats: list[float]  # L * NF
     ints: list[int]  # 7 + L * NI
+    bf16: list[Tensor | None] | None = None
 
 
 _WEIGHTS: "weakref.WeakKeyDictionary[CEDModel, NativeWeights]" = weakref.WeakKeyDictionary()
@@ -70,6 +76,24 @@ def native_weights(model: CEDModel) -> NativeWeights:
                      int(idx)]
         _WEIGHTS[model] = NativeWeights(tensors, floats, ints)
     return _WEIGHTS[model]
+
+
+def round_to_bf16(model: CEDModel) -> None:
+    """Serve ``model`` with bf16 projection weights (``cedar serve --weights bf16``): every layer's
+    projection weight becomes its nearest bf16 value, in place (float32 storage, so every path and
+    the reference compute with the same values), and a decode step reads bfloat16 copies: half the
+    bytes of the float32 weights it streams every step, the same bits (``cedar_cpu::linear``
+    widens each bf16 value exactly and sums as over float32). Idempotent.
+
+    NOTE: a different model from the float32 one, by at most bf16's rounding of each weight; the
+    README states how far its tokens move (``tests/test_bf16_weights.py`` bounds it)."""
+    nw = native_weights(model)
+    bf16 = list(nw.tensors)
+    for i, t in enumerate(nw.tensors):
+        if t is not None and i % NW in LINEAR:
+            t.data.copy_(t.data.to(torch.bfloat16).float())
+            bf16[i] = t.data.to(torch.bfloat16)
+    _WEIGHTS[model] = dataclasses.replace(nw, bf16=bf16)
 
 
 def runs_native(model: CEDModel, keys: PoolKeys) -> bool:
@@ -109,9 +133,11 @@ def native_decode(model: CEDModel, h: Tensor, batch: RowBatch, keys: PoolKeys) -
             per[21:25] = [src.rows, src.row_scales, src.index_rows, src.index_scales]
         step += per
     nw = native_weights(model)
-    out = torch.ops.cedar_cpu.decode_step(h, nw.tensors, nw.floats, nw.ints, step)
+    weights = nw.bf16 if nw.bf16 is not None and len(batch.lens) <= LINEAR_ROWS else nw.tensors
+    out = torch.ops.cedar_cpu.decode_step(h, weights, nw.floats, nw.ints, step)
     keys.views.clear()  # NOTE: the pools were written behind the views' backs (they hold no data in place)
     return DecoderRows(out, dec, t.dec_source_row)
 
 
-__all__ = ["NativeWeights", "native_weights", "runs_native", "native_decode", "NW", "NF", "NI", "NS", "NL"]
+__all__ = ["NativeWeights", "native_weights", "round_to_bf16", "runs_native", "native_decode", "NW", "NF", "NI", "NS",
+           "NL"]

@@ -32,6 +32,7 @@ from .prefix_digest import prefix_digest
 from .snapshots import SnapshotStore
 
 REPLAY_MODES = ("bounded", "exact", "off")
+WEIGHT_MODES = ("float32", "bf16")
 DECODER_MODES = ("all", "tail", "skip")
 
 
@@ -51,8 +52,11 @@ class ServingFlags:
     # handle every streamed token: a second OpenMP thread then waits on a busy core more than it
     # helps (`cedar bench scheduler`, the README's figures), while a prefill wants every core.
     decode_threads: int = 1
+    weights: str = "float32"  # "bf16": projection weights rounded to bf16 at allocation (native_step.round_to_bf16)
 
     def __post_init__(self) -> None:
+        if self.weights not in WEIGHT_MODES:
+            raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {self.weights!r}")
         if self.decode_threads < 0:
             raise ValueError(f"decode_threads must be >= 0 (0: the server's threads), got {self.decode_threads}")
         if self.replay not in REPLAY_MODES:

@@ -194,32 +194,49 @@ def ttft_ms(client: EngineClient, ids: list[int]) -> tuple[float, int]:
 
 
 def run_probes(client: EngineClient, grid: EngineGrid, vocab: int, seed0: int) -> dict:
+    """Every probe of the grid against one engine. NOTE: a probe that fails is an error for that
+    probe (``{"error": ...}``), not for the engine's run: the other probes still run and count."""
     out = {}
+
+    def probe(name: str, measure) -> None:
+        try:
+            out[name] = measure()
+        except Exception as e:  # noqa: BLE001 - recorded, reported in the table as failed
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"[bench engine]   {name} failed: {out[name]['error']}", flush=True)
+
     ttft_ms(client, fresh_ids(seed0, 64, vocab))  # warm-up
     for batch, context in grid.decode:
-        runs = [decode_rate(client, batch, context, grid.decode_tokens, vocab, seed0 + 1000 * r + 100 * batch
-                            + context) for r in range(max(1, grid.repeats - 1))]
-        out[f"decode_b{batch}_ctx{context}"] = {"tok_s": float(np.median([r["tok_s"] for r in runs])), "runs": runs}
-        print(f"[bench engine]   decode b{batch} ctx{context}: {out[f'decode_b{batch}_ctx{context}']['tok_s']} tok/s",
-              flush=True)
+        def decode(batch=batch, context=context) -> dict:
+            runs = [decode_rate(client, batch, context, grid.decode_tokens, vocab, seed0 + 1000 * r + 100 * batch
+                                + context) for r in range(max(1, grid.repeats - 1))]
+            res = {"tok_s": float(np.median([r["tok_s"] for r in runs])), "runs": runs}
+            print(f"[bench engine]   decode b{batch} ctx{context}: {res['tok_s']} tok/s", flush=True)
+            return res
+        probe(f"decode_b{batch}_ctx{context}", decode)
     for L in grid.cold:
-        times = [ttft_ms(client, fresh_ids(seed0 + 50_000 + 10 * L + r, L, vocab))[0] for r in range(grid.repeats)]
-        out[f"ttft_cold_{L}"] = {"ms": round(float(np.median(times)), 2), "runs_ms": [round(t, 2) for t in times]}
-        print(f"[bench engine]   cold TTFT {L}: {out[f'ttft_cold_{L}']['ms']} ms", flush=True)
+        def cold(L=L) -> dict:
+            times = [ttft_ms(client, fresh_ids(seed0 + 50_000 + 10 * L + r, L, vocab))[0] for r in range(grid.repeats)]
+            res = {"ms": round(float(np.median(times)), 2), "runs_ms": [round(t, 2) for t in times]}
+            print(f"[bench engine]   cold TTFT {L}: {res['ms']} ms", flush=True)
+            return res
+        probe(f"ttft_cold_{L}", cold)
     for P, N in grid.hits:
-        hit, cold, cached = [], [], []
-        for r in range(grid.repeats):
-            prefix = fresh_ids(seed0 + 70_000 + 10 * P + r, P, vocab)
-            ttft_ms(client, prefix + fresh_ids(seed0 + 80_000 + r, 32, vocab))  # P enters the cache
-            t, c = ttft_ms(client, prefix + fresh_ids(seed0 + 90_000 + N + r, N, vocab))
-            hit.append(t)
-            cached.append(c)
-            cold.append(ttft_ms(client, fresh_ids(seed0 + 95_000 + N + r, P + N, vocab))[0])
-        out[f"hit_{P}_new{N}"] = {"ms": round(float(np.median(hit)), 2), "cold_ms": round(float(np.median(cold)), 2),
-                                  "of_cold": round(float(np.median(hit) / np.median(cold)), 3),
-                                  "cached_tokens": cached, "runs_ms": [round(t, 2) for t in hit]}
-        print(f"[bench engine]   hit {P}+{N}: {out[f'hit_{P}_new{N}']['ms']} ms "
-              f"({out[f'hit_{P}_new{N}']['of_cold']} of cold)", flush=True)
+        def hits(P=P, N=N) -> dict:
+            hit, cold, cached = [], [], []
+            for r in range(grid.repeats):
+                prefix = fresh_ids(seed0 + 70_000 + 10 * P + r, P, vocab)
+                ttft_ms(client, prefix + fresh_ids(seed0 + 80_000 + r, 32, vocab))  # P enters the cache
+                t, c = ttft_ms(client, prefix + fresh_ids(seed0 + 90_000 + N + r, N, vocab))
+                hit.append(t)
+                cached.append(c)
+                cold.append(ttft_ms(client, fresh_ids(seed0 + 95_000 + N + r, P + N, vocab))[0])
+            res = {"ms": round(float(np.median(hit)), 2), "cold_ms": round(float(np.median(cold)), 2),
+                   "of_cold": round(float(np.median(hit) / np.median(cold)), 3), "cached_tokens": cached,
+                   "runs_ms": [round(t, 2) for t in hit]}
+            print(f"[bench engine]   hit {P}+{N}: {res['ms']} ms ({res['of_cold']} of cold)", flush=True)
+            return res
+        probe(f"hit_{P}_new{N}", hits)
     return out
 
 
@@ -233,29 +250,39 @@ def _advantage(cedar: float, other: float, higher_better: bool) -> float:
 
 
 def table(runs: list[dict]) -> list[dict]:
-    """One row per probe: Cedar's runs, every other engine's median (keyed by its name), Cedar /
-    stock (``cedar_advantage``) and Cedar / the best other engine of the probe (``best_peer``,
-    ``cedar_vs_best``); >1 = Cedar better. ``engines``: those that ran, in ENGINES' order."""
+    """One row per probe: Cedar's runs, every other engine's median (keyed by its name; None where
+    its probe failed, listed in ``failed``), Cedar / stock (``cedar_advantage``) and Cedar / the
+    best other engine of the probe (``best_peer``, ``cedar_vs_best``); >1 = Cedar better.
+    ``engines``: those that ran, in ENGINES' order."""
     by = {e: [r["probes"] for r in runs if r["engine"] == e] for e in ENGINES}
     ran = [e for e in ENGINES if by[e]]
     cedar, others = by["cedar"], [e for e in ran if e != "cedar"]
+
+    def ok(probes: list[dict], name: str) -> list[dict]:
+        return [p[name] for p in probes if name in p and "error" not in p[name]]
+
     rows = []
     for name in cedar[0]:
         higher_better = name.startswith("decode")
-        c = [_value(p[name]) for p in cedar]
+        c = [_value(p) for p in ok(cedar, name)]
         row = {"probe": name, "unit": "tok/s" if higher_better else "ms", "engines": ran, "cedar": c}
         for e in others:
-            row[e] = float(np.median([_value(p[name]) for p in by[e]]))
-        if "stock" in others:
+            vals = [_value(p) for p in ok(by[e], name)]
+            row[e] = float(np.median(vals)) if vals else None
+        failed = [e for e in ran if (row[e] if e != "cedar" else c) in (None, [])]
+        if failed:
+            row["failed"] = failed
+        valid = [e for e in others if row[e] is not None]
+        if "stock" in valid and c:
             row["cedar_advantage"] = [_advantage(v, row["stock"], higher_better) for v in c]
-        if others:
-            best = (max if higher_better else min)(others, key=lambda e: row[e])
+        if valid and c:
+            best = (max if higher_better else min)(valid, key=lambda e: row[e])
             row["best_peer"] = best
             row["cedar_vs_best"] = [_advantage(v, row[best], higher_better) for v in c]
         if name.startswith("hit"):
-            row["cedar_of_cold"] = [p[name]["of_cold"] for p in cedar]
-            for e in others:
-                row[f"{e}_of_cold"] = float(np.median([p[name]["of_cold"] for p in by[e]]))
+            row["cedar_of_cold"] = [p["of_cold"] for p in ok(cedar, name)]
+            for e in valid:
+                row[f"{e}_of_cold"] = float(np.median([p["of_cold"] for p in ok(by[e], name)]))
         rows.append(row)
     return rows
 
@@ -263,20 +290,22 @@ def table(runs: list[dict]) -> list[dict]:
 def format_table(rows: list[dict]) -> str:
     others = [e for e in rows[0]["engines"] if e != "cedar"]
     head = ["probe", "Cedar", *[LABELS[e] + (", same-dims Llama" if e == "stock" else "") for e in others]]
-    if "cedar_advantage" in rows[0]:
+    if "stock" in others:
         head.append("Cedar advantage")
     if others:
         head.append("Cedar vs best other")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        c = " / ".join(f"{v:g}" for v in r["cedar"])
+        c = " / ".join(f"{v:g}" for v in r["cedar"]) or "failed"
         extra = f" ({'/'.join(f'{v:.2f}' for v in r['cedar_of_cold'])} of cold vs {r['stock_of_cold']:.2f})" \
-            if "cedar_of_cold" in r and "stock_of_cold" in r else ""
-        cells = [f"{r['probe']} ({r['unit']})", f"{c}{extra}", *[f"{r[e]:g}" for e in others]]
-        if "cedar_advantage" in r:
-            cells.append(" / ".join(f"{v:.2f}x" for v in r["cedar_advantage"]))
+            if r.get("cedar_of_cold") and "stock_of_cold" in r else ""
+        cells = [f"{r['probe']} ({r['unit']})", f"{c}{extra}",
+                 *["failed" if r[e] is None else f"{r[e]:g}" for e in others]]
+        if "stock" in others:
+            cells.append(" / ".join(f"{v:.2f}x" for v in r["cedar_advantage"]) if "cedar_advantage" in r else "-")
         if others:
-            cells.append(" / ".join(f"{v:.2f}x" for v in r["cedar_vs_best"]) + f" ({LABELS[r['best_peer']]})")
+            cells.append(" / ".join(f"{v:.2f}x" for v in r["cedar_vs_best"]) + f" ({LABELS[r['best_peer']]})"
+                         if "cedar_vs_best" in r else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -284,9 +313,11 @@ def format_table(rows: list[dict]) -> str:
 def speed_vs_cedar(row: dict) -> dict[str, float]:
     """Each engine's speed on the probe relative to Cedar's median (>1: faster than Cedar)."""
     higher_better = row["unit"] == "tok/s"
+    if not row["cedar"]:
+        return {e: float("nan") for e in row["engines"]}
     ref = float(np.median(row["cedar"]))
-    return {e: (1.0 if e == "cedar" else round((row[e] / ref) if higher_better else (ref / row[e]), 3))
-            for e in row["engines"]}
+    return {e: (1.0 if e == "cedar" else float("nan") if row[e] is None else
+                round((row[e] / ref) if higher_better else (ref / row[e]), 3)) for e in row["engines"]}
 
 
 def plot(rows: list[dict], png: Path) -> None:
@@ -303,9 +334,9 @@ def plot(rows: list[dict], png: Path) -> None:
     for j, e in enumerate(engines):
         speeds = [speed_vs_cedar(r)[e] for r in rows]
         ax.bar(x + (j - (len(engines) - 1) / 2) * width, speeds, width, label=LABELS[e], color=colors[e])
-    ref = [float(np.median(r["cedar"])) for r in rows]  # Cedar's spread over its runs (machine drift)
-    lo = [min(v / m if r["unit"] == "tok/s" else m / v for v in r["cedar"]) for r, m in zip(rows, ref)]
-    hi = [max(v / m if r["unit"] == "tok/s" else m / v for v in r["cedar"]) for r, m in zip(rows, ref)]
+    ref = [float(np.median(r["cedar"])) if r["cedar"] else 1.0 for r in rows]  # Cedar's spread (machine drift)
+    lo = [min([v / m if r["unit"] == "tok/s" else m / v for v in r["cedar"]] or [1.0]) for r, m in zip(rows, ref)]
+    hi = [max([v / m if r["unit"] == "tok/s" else m / v for v in r["cedar"]] or [1.0]) for r, m in zip(rows, ref)]
     cx = x + (engines.index("cedar") - (len(engines) - 1) / 2) * width
     ax.errorbar(cx, [1.0] * len(rows), yerr=[np.subtract(1.0, lo), np.subtract(hi, 1.0)], fmt="none", ecolor="black")
     ax.axhline(1.0, color="black", lw=0.8)
@@ -377,7 +408,8 @@ def try_peer(engine: str, record: dict, attempt: Callable[[], dict], runs: list[
 
 
 def run_engine_benchmark(model_dir: Path, out_json, plot_png=None, grid: EngineGrid = EngineGrid(),
-                         peers_root: Path = PEERS_ROOT) -> dict:
+                         peers_root: Path = PEERS_ROOT, flags=None) -> dict:
+    """flags: Cedar's ServingFlags (they travel in its server_argv); None: the defaults."""
     import sglang
 
     from cedar.backend.config import CEDConfig
@@ -421,7 +453,8 @@ def run_engine_benchmark(model_dir: Path, out_json, plot_png=None, grid: EngineG
             log = Path(f"/tmp/cedar-bench-engine-{engine}-{port}.log")
             print(f"[bench engine] run {k + 1}/{len(order)}: {engine}", flush=True)
             if engine in ("cedar", "stock"):
-                serve = (ServeConfig(model=str(model_dir), port=port, extra=ENGINE_FLAGS) if engine == "cedar"
+                serve = (ServeConfig(model=str(model_dir), port=port, extra=ENGINE_FLAGS,
+                                     **({} if flags is None else {"flags": flags})) if engine == "cedar"
                          else StockServe(model=str(twin_dir), port=port, extra=ENGINE_FLAGS))
                 with ServerProcess(serve, log_path=log) as srv:
                     run = {"engine": engine, "server_argv": serve.argv()[1:],

@@ -19,6 +19,7 @@ server a little, so the tok/s figures come from the unsampled runs.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import statistics
 import time
@@ -92,7 +93,8 @@ def scheduler_stacks(directory: Path, timeout_s: float = 5.0) -> collections.Cou
 
 
 def run_scheduler_bench(model_dir: Path, cases: tuple[tuple[int, int], ...] = ((1, 512), (8, 512)),
-                        tokens: int = 200, repeats: int = 2, log=print) -> dict:
+                        tokens: int = 200, repeats: int = 2, log=print, flags=None) -> dict:
+    """flags: the server's ServingFlags (None: the defaults)."""
     from cedar.backend.config import CEDConfig
 
     vocab = CEDConfig.load(model_dir).vocab_size
@@ -101,10 +103,11 @@ def run_scheduler_bench(model_dir: Path, cases: tuple[tuple[int, int], ...] = ((
     sample_dir.mkdir(parents=True, exist_ok=True)
     for old in sample_dir.glob("*"):
         old.unlink()
-    cfg = ServeConfig(model=str(model_dir), port=port, extra=ENGINE_FLAGS)
+    cfg = ServeConfig(model=str(model_dir), port=port, extra=ENGINE_FLAGS, **({} if flags is None else {"flags": flags}))
     saved = os.environ.get(ENV)
     os.environ[ENV] = str(sample_dir)  # NOTE: the server's processes inherit it (ServeConfig.env)
-    report = {"model": str(model_dir), "server_argv": cfg.argv()[1:], "tokens": tokens, "repeats": repeats,
+    report = {"model": str(model_dir), "server_argv": cfg.argv()[1:], "flags": dataclasses.asdict(cfg.flags),
+              "tokens": tokens, "repeats": repeats,
               "cases": []}
     try:
         with ServerProcess(cfg, log_path=sample_dir / "server.log") as srv:

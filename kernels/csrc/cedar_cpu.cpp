@@ -114,6 +114,44 @@ inline void dots(const float* q, int64_t H, const float* k, int64_t D, float* ou
   for (int64_t h = 0; h < H; ++h) out[h] = dot(q + h * D, k, D);
 }
 
+// bf16 weights (#23): a row of bf16 values widened to f32 exactly (the 16 bits are the f32's high
+// half), then summed as dots() sums f32: the same bits as dots() over the widened row, half the
+// bytes read. Plain AVX2/AVX-512F widening; no bf16 arithmetic.
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+inline v8 load8_bf16(const uint16_t* p) {
+  v8h h;
+  std::memcpy(&h, p, sizeof(h));
+  const v8u w = __builtin_convertvector(h, v8u) << 16;
+  v8 f;
+  std::memcpy(&f, &w, sizeof(f));
+  return f;
+}
+
+template <int H>
+inline void dots_bf16_n(const float* q, const uint16_t* k, int64_t D, float* out) {
+  v8 acc[H];
+  for (int h = 0; h < H; ++h) acc[h] = v8{0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int64_t i = 0; i < D; i += 8) {
+    const v8 kv = load8_bf16(k + i);
+    for (int h = 0; h < H; ++h) acc[h] += load8(q + h * D + i) * kv;
+  }
+  for (int h = 0; h < H; ++h) out[h] = reduce8(acc[h]) + 0.f;
+}
+
+// dots() of f32 queries against a bf16 key row, D % 8 == 0 (dot()'s tail is then empty).
+inline void dots_bf16(const float* q, int64_t H, const uint16_t* k, int64_t D, float* out) {
+  switch (H) {
+    case 1: return dots_bf16_n<1>(q, k, D, out);
+    case 2: return dots_bf16_n<2>(q, k, D, out);
+    case 4: return dots_bf16_n<4>(q, k, D, out);
+    case 8: return dots_bf16_n<8>(q, k, D, out);
+    default:
+      for (int64_t h = 0; h < H; ++h) dots_bf16_n<1>(q + h * D, k, D, out + h);
+  }
+}
+
 // Index keys lane-major, kKeyLanes entries a block ([block][d][kKeyLanes]): the indexer scores a
 // block per vector op (16 entries with AVX-512, else 8). Each dot is summed exactly as dots() sums
 // it (its 8 lane partial sums over i, then reduce8's tree, entry-wise across the block's lanes), so
@@ -806,19 +844,25 @@ constexpr int64_t kLinearRows = 8;
 at::Tensor row_linear(const at::Tensor& x, const at::Tensor& w) {
   static const bool mkl = std::getenv("CEDAR_MKL_LINEAR") != nullptr;  // NOTE: an A/B switch for benchmarks
   const int64_t M = x.size(0), K = w.size(1), N = w.size(0);
-  if (mkl || x.dim() != 2 || M > kLinearRows || K % 8 || x.scalar_type() != at::kFloat || w.scalar_type() != at::kFloat)
-    return at::linear(x, w);
+  const bool bf16 = w.scalar_type() == at::kBFloat16;  // NOTE: the f32 path's bits over the widened weight
+  if (mkl || x.dim() != 2 || M > kLinearRows || K % 8 || x.scalar_type() != at::kFloat ||
+      (w.scalar_type() != at::kFloat && !bf16))
+    return at::linear(x, bf16 ? w.to(at::kFloat) : w);
   const auto xc = x.contiguous(), wc = w.contiguous();
   auto out = at::empty({M, N}, x.options());
   const float* xp = xc.data_ptr<float>();
-  const float* wp = wc.data_ptr<float>();
+  const float* wp = bf16 ? nullptr : wc.data_ptr<float>();
+  const uint16_t* hp = bf16 ? reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>()) : nullptr;
   float* op = out.data_ptr<float>();
   // NOTE: two threads only where the weight is worth an OpenMP region (256 KB: ~20 us to read)
   const int64_t grain = N * K < (int64_t(1) << 16) ? N : (N + 1) / 2;
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     float tmp[kLinearRows];
     for (int64_t n = n0; n < n1; ++n) {
-      dots(xp, M, wp + n * K, K, tmp);
+      if (bf16)
+        dots_bf16(xp, M, hp + n * K, K, tmp);
+      else
+        dots(xp, M, wp + n * K, K, tmp);
       for (int64_t m = 0; m < M; ++m) op[m * N + n] = tmp[m];
     }
   });
