@@ -92,14 +92,18 @@ def run_agents_benchmark(args) -> dict:
     matrix = Matrix(tuple(args.concurrency), tuple(args.modes), args.think_cap_s)
     t0 = time.perf_counter()
     extra = ("--sleep-on-idle",)
-    cedar_cfg = ServeConfig(model=str(model), port=free_port(), extra=extra)
-    base_cfg = ServeConfig(model=str(model), port=free_port(), flags=ServingFlags(replay="off"), extra=extra)
-    servers = {"cedar": ServerProcess(cedar_cfg, log_path=Path(f"/tmp/cedar-bench-agents-{cedar_cfg.port}.log"))}
+    wanted = {"cedar": ServingFlags()}
     if BASELINE in matrix.modes and not args.scale_out_only:
-        servers[BASELINE] = ServerProcess(base_cfg, log_path=Path(f"/tmp/cedar-bench-agents-{base_cfg.port}.log"))
+        wanted[BASELINE] = ServingFlags(replay="off")
+    servers = {}
     try:
-        for s in servers.values():  # NOTE: one at a time: two model loads at once on 2 cores time out
-            s.start()
+        for name, flags in wanted.items():  # NOTE: one at a time: two model loads at once on 2 cores time out
+            # NOTE: each port is chosen just before its server starts: one chosen earlier can be taken
+            # meanwhile by the first server's own processes (SGLang's internal ports); CI saw it once
+            serve = ServeConfig(model=str(model), port=free_port(), flags=flags, extra=extra)
+            servers[name] = ServerProcess(serve, log_path=Path(f"/tmp/cedar-bench-agents-{serve.port}.log"))
+            servers[name].start()
+        cedar_cfg = servers["cedar"].cfg
         workloads = [w for w in _workloads(args, servers["cedar"].url, cfg) if w.name in args.workloads]
         total = 0 if args.scale_out_only else \
             sum(len(w.graph) for w in workloads) * len(matrix.concurrencies) * len(matrix.modes)
