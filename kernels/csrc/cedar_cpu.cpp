@@ -75,6 +75,21 @@ inline v8 load8(const float* p) {
   return v;
 }
 
+// bf16 weights (#23): a row of bf16 values widened to f32 exactly (the 16 bits are the f32's high
+// half), then summed as dots() sums f32 (dots_n over a uint16_t row reads through this overload): the
+// same bits as dots() over the widened row, half the bytes read. Plain AVX2/AVX-512F widening.
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+inline v8 load8(const uint16_t* p) {
+  v8h h;
+  std::memcpy(&h, p, sizeof(h));
+  const v8u w = __builtin_convertvector(h, v8u) << 16;
+  v8 f;
+  std::memcpy(&f, &w, sizeof(f));
+  return f;
+}
+
 inline float reduce8(v8 a) {
   return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
 }
@@ -90,8 +105,8 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 // out[h] = dot(q + h * D, k, D) for h < H, each summed exactly as dot() sums it; the key row is
 // read once for all heads (compile-time H for the common head counts, else dot() per head).
-template <int H>
-inline void dots_n(const float* q, const float* k, int64_t D, float* out) {
+template <int H, typename K>
+inline void dots_n(const float* q, const K* k, int64_t D, float* out) {
   v8 acc[H];
   for (int h = 0; h < H; ++h) acc[h] = v8{0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   for (int64_t i = 0; i < D; i += 8) {
@@ -114,41 +129,15 @@ inline void dots(const float* q, int64_t H, const float* k, int64_t D, float* ou
   for (int64_t h = 0; h < H; ++h) out[h] = dot(q + h * D, k, D);
 }
 
-// bf16 weights (#23): a row of bf16 values widened to f32 exactly (the 16 bits are the f32's high
-// half), then summed as dots() sums f32: the same bits as dots() over the widened row, half the
-// bytes read. Plain AVX2/AVX-512F widening; no bf16 arithmetic.
-typedef uint16_t v8h __attribute__((vector_size(16)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
-
-inline v8 load8_bf16(const uint16_t* p) {
-  v8h h;
-  std::memcpy(&h, p, sizeof(h));
-  const v8u w = __builtin_convertvector(h, v8u) << 16;
-  v8 f;
-  std::memcpy(&f, &w, sizeof(f));
-  return f;
-}
-
-template <int H>
-inline void dots_bf16_n(const float* q, const uint16_t* k, int64_t D, float* out) {
-  v8 acc[H];
-  for (int h = 0; h < H; ++h) acc[h] = v8{0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  for (int64_t i = 0; i < D; i += 8) {
-    const v8 kv = load8_bf16(k + i);
-    for (int h = 0; h < H; ++h) acc[h] += load8(q + h * D + i) * kv;
-  }
-  for (int h = 0; h < H; ++h) out[h] = reduce8(acc[h]) + 0.f;
-}
-
 // dots() of f32 queries against a bf16 key row, D % 8 == 0 (dot()'s tail is then empty).
 inline void dots_bf16(const float* q, int64_t H, const uint16_t* k, int64_t D, float* out) {
   switch (H) {
-    case 1: return dots_bf16_n<1>(q, k, D, out);
-    case 2: return dots_bf16_n<2>(q, k, D, out);
-    case 4: return dots_bf16_n<4>(q, k, D, out);
-    case 8: return dots_bf16_n<8>(q, k, D, out);
+    case 1: return dots_n<1>(q, k, D, out);
+    case 2: return dots_n<2>(q, k, D, out);
+    case 4: return dots_n<4>(q, k, D, out);
+    case 8: return dots_n<8>(q, k, D, out);
     default:
-      for (int64_t h = 0; h < H; ++h) dots_bf16_n<1>(q + h * D, k, D, out + h);
+      for (int64_t h = 0; h < H; ++h) dots_n<1>(q + h * D, k, D, out + h);
   }
 }
 
