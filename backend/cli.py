@@ -148,9 +148,11 @@ def register(sub) -> None:
     s.add_argument("--decode-threads", type=int, default=1,
                    help="CPU threads of a decode step (0: the server's threads, as a prefill); one leaves "
                         "the other core to SGLang's tokenizer and detokenizer, which handle every streamed token")
-    s.add_argument("--weights", choices=["float32", "bf16"], default="float32",
+    s.add_argument("--weights", choices=["float32", "bf16", "bf16-matmul"], default="float32",
                    help="bf16: each projection weight rounded to bf16 at load, a decode step reading bf16 "
-                        "copies (half the bytes; the served tokens are those of the rounded model)")
+                        "copies (half the bytes; the served tokens are those of the rounded model); "
+                        "bf16-matmul: also a prefill's matmuls in bf16, their rows rounded (the CPU's bf16 "
+                        "rate; the tokens move a little more: README)")
     s.add_argument("--replicas", type=int, default=1,
                    help="N > 1: N servers (ports PORT+1...) behind SGLang's router on PORT")
     s.add_argument("--router-policy", default="cache_aware",

@@ -24,12 +24,28 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
+LINEAR_ROWS = 8  # NOTE: cedar_cpu::linear's few-row path (kLinearRows); more rows go to at::linear
+BF16_MATMUL = "bf16_matmul"  # a projection weight's attribute: its bfloat16 copy, for matmuls of many rows
+
+
+def matmul_weight(weight: Tensor, rows: int) -> Tensor:
+    """The weight a matmul of ``rows`` rows reads on the fast CPU path: ``weight`` itself, or,
+    once ``cedar serve --weights bf16-matmul`` gave it a bfloat16 copy (attribute
+    :data:`BF16_MATMUL`, set on the MLP's weights by ``native_step.round_to_bf16``), that copy for more than
+    :data:`LINEAR_ROWS` rows: ``cedar_cpu::linear`` then multiplies in bf16 (the rows rounded to
+    bf16, float32 sums), a decode step's few rows keeping the float32 path. ``rows`` is a host
+    fact (a shape), never a tensor's value."""
+    bf16 = getattr(weight, BF16_MATMUL, None)
+    return bf16 if bf16 is not None and rows > LINEAR_ROWS else weight
+
+
 def linear(x: Tensor, layer: nn.Linear, fast: bool) -> Tensor:
     """layer(x) for x (T, in) -> (T, out); on the fast CPU backend's inference path through
     ``cedar_cpu::linear`` (a decode step's few rows at the memory's read speed, more rows by
-    ``at::linear``): what the one-call C++ ops run, so the composition gives their bits."""
+    ``at::linear``, in bf16 under ``--weights bf16-matmul``: :func:`matmul_weight`): what the
+    one-call C++ ops run, so the composition gives their bits."""
     if x.dim() == 2 and inference_cpp(x, fast):
-        return torch.ops.cedar_cpu.linear(x, layer.weight)
+        return torch.ops.cedar_cpu.linear(x, matmul_weight(layer.weight, x.shape[0]))
     return layer(x)
 
 

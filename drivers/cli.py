@@ -55,7 +55,7 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
     from cedar.backend.serving.planner import ServingFlags
 
     report = run_engine_benchmark(Path(args.model), Path(args.json), args.plot, QUICK if args.quick else EngineGrid(),
-                                  flags=ServingFlags(weights=args.weights))
+                                  flags=ServingFlags(weights=args.weights), peer_dtype=args.peer_dtype)
     print(format_table(report["table"]))
     print(f"[bench engine] {report['wall_s']} s; wrote {args.json}" + (f" and {args.plot}" if args.plot else ""))
     return 0
@@ -208,8 +208,10 @@ def _add_bench(sub) -> None:
         s.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
         s.add_argument("--quick", action="store_true", help=quick)
         if name == "engine":
-            s.add_argument("--weights", choices=["float32", "bf16"], default="float32",
-                           help="Cedar's servers' --weights (the peers serve float32)")
+            s.add_argument("--weights", choices=["float32", "bf16", "bf16-matmul"], default="float32",
+                           help="Cedar's servers' --weights (bf16-matmul: see README)")
+            s.add_argument("--peer-dtype", choices=["float32", "bfloat16"], default="float32",
+                           help="the peers' (vLLM's, llama.cpp's) weights and compute; stock SGLang stays float32")
         s.set_defaults(fn=fn)
     s = kinds.add_parser("bound", help="the memory-bandwidth bound of a decode step: bytes it must read "
                          "over this machine's measured read bandwidth")
@@ -257,7 +259,7 @@ def _add_bench(sub) -> None:
     s.add_argument("--repeats", type=int, default=2, help="unsampled runs a case (their median tok/s)")
     s.add_argument("--cases", default="1x512,8x512", help="BATCHxCONTEXT, comma-separated")
     s.add_argument("--plot", default=None, help="also write a PNG (the buckets' shares a case) here")
-    s.add_argument("--weights", choices=["float32", "bf16"], default="float32", help="the server's --weights")
+    s.add_argument("--weights", choices=["float32", "bf16", "bf16-matmul"], default="float32", help="the server's --weights")
     s.set_defaults(fn=_cmd_bench_scheduler)
     agents_cli.register(kinds)  # `cedar bench agents`: the agent-load matrix
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from cedar.drivers.bench import peers as peers_mod
-from cedar.drivers.bench.engine import (EngineGrid, decode_rate, default_order, format_table, peer_records,
+from cedar.drivers.bench.engine import (EngineGrid, decode_rate, run_engine_benchmark, default_order, format_table, peer_records,
                                         peer_serve, speed_vs_cedar, table, try_peer)
 from cedar.drivers.bench.peers import (LlamaCppClient, LlamaCppServe, PeerProcess, PeerStatus, VllmClient,
                                        VllmServe, detect_peers, write_gguf)
@@ -219,6 +219,11 @@ def test_vllm_server_argv_and_env(monkeypatch, tmp_path):
     tcmalloc.write_bytes(b"")
     assert serve.env()["LD_PRELOAD"] == str(tcmalloc)
     assert (serve.api_key, serve.health_path) == (None, "/health")
+    st = {"vllm": PeerStatus("vllm", True, None, "v", "/p/.peers/vllm/bin/python")}
+    bf16, _ = peer_serve("vllm", Path("/m/twin"), Path("/t/x.gguf"), 8123, EngineGrid(), st, "bfloat16")
+    assert bf16.argv()[bf16.argv().index("--dtype") + 1] == "bfloat16"
+    with pytest.raises(ValueError, match="peer_dtype"):  # refused before any server starts
+        run_engine_benchmark(tmp_path, tmp_path / "r.json", peer_dtype="fp8")
 
 
 def test_llamacpp_server_argv_and_its_cache_holds_the_largest_batch():

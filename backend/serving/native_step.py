@@ -26,13 +26,19 @@ from torch import Tensor
 from cedar.kernels.formats import GLOBAL_ROW, INDEX_ROW
 
 from ..model import CEDModel
-from ..modules import rope_constants
+from ..modules import BF16_MATMUL, LINEAR_ROWS, rope_constants
 from ..rows import DecoderRows, RowBatch
 from .pool_keys import PoolKeys
 
 NW, NF, NI, NS, NL = 20, 5, 6, 17, 25
 LINEAR = (1, 2, 4, 5, 7, 9, 10, 11, 13, 14, 16)  # a layer's projection weights among its NW
-LINEAR_ROWS = 8  # NOTE: cedar_cpu::linear's few-row path (kLinearRows); more rows go to at::linear
+# the projections whose prefill matmuls --weights bf16-matmul runs in bf16: the MLP's gate, up and
+# down (most of a layer's matmul work). NOTE: measured on the shipped model (tests/test_bf16_weights.py's
+# prompts): rounding the rows of every projection moved its next-token distributions 15x more than
+# rounding the weights alone (mean KL 2.9e-2, max 1.2, against 2.0e-3); the window and compressor KV
+# projections (their rows become FP8 / FP4 cache rows and the indexer's keys) account for most of
+# it, the queries and output projection for the rest (1.2e-2); the MLP alone keeps 2.0e-3
+MATMUL_BF16 = (9, 10, 11)
 ENABLED = True  # NOTE: the tests switch it off to compare with the per-layer path
 
 
@@ -78,21 +84,30 @@ def native_weights(model: CEDModel) -> NativeWeights:
     return _WEIGHTS[model]
 
 
-def round_to_bf16(model: CEDModel) -> None:
+def round_to_bf16(model: CEDModel, matmul: bool = False) -> None:
     """Serve ``model`` with bf16 projection weights (``cedar serve --weights bf16``): every layer's
     projection weight becomes its nearest bf16 value, in place (float32 storage, so every path and
     the reference compute with the same values), and a decode step reads bfloat16 copies: half the
     bytes of the float32 weights it streams every step, the same bits (``cedar_cpu::linear``
     widens each bf16 value exactly and sums as over float32). Idempotent.
 
-    NOTE: a different model from the float32 one, by at most bf16's rounding of each weight; the
-    README states how far its tokens move (``tests/test_bf16_weights.py`` bounds it)."""
+    matmul (``--weights bf16-matmul``): also hand the MLP's weights (:data:`MATMUL_BF16`) their
+    bfloat16 copies for matmuls of more than LINEAR_ROWS rows
+    (:func:`~cedar.backend.modules.matmul_weight`): a prefill's and a hit's MLP matmuls then round
+    their rows to bf16 and run at the CPU's bf16 rate; a decode step's few rows keep the float32
+    path. A reference model rounded the same way computes the same.
+
+    NOTE: a different model from the float32 one, by at most bf16's rounding of each weight (and,
+    with ``matmul``, of each prefill row entering a projection); the README states how far its
+    tokens move (``tests/test_bf16_weights.py`` bounds both)."""
     nw = native_weights(model)
     bf16 = list(nw.tensors)
     for i, t in enumerate(nw.tensors):
         if t is not None and i % NW in LINEAR:
             t.data.copy_(t.data.to(torch.bfloat16).float())
             bf16[i] = t.data.to(torch.bfloat16)
+            if matmul and i % NW in MATMUL_BF16:
+                setattr(t, BF16_MATMUL, bf16[i])
     _WEIGHTS[model] = dataclasses.replace(nw, bf16=bf16)
 
 

@@ -32,7 +32,7 @@ from .prefix_digest import prefix_digest
 from .snapshots import SnapshotStore
 
 REPLAY_MODES = ("bounded", "exact", "off")
-WEIGHT_MODES = ("float32", "bf16")
+WEIGHT_MODES = ("float32", "bf16", "bf16-matmul")
 DECODER_MODES = ("all", "tail", "skip")
 
 
@@ -52,7 +52,8 @@ class ServingFlags:
     # handle every streamed token: a second OpenMP thread then waits on a busy core more than it
     # helps (`cedar bench scheduler`, the README's figures), while a prefill wants every core.
     decode_threads: int = 1
-    weights: str = "float32"  # "bf16": projection weights rounded to bf16 at allocation (native_step.round_to_bf16)
+    weights: str = "float32"  # "bf16": projection weights rounded to bf16 at allocation (native_step.round_to_bf16);
+    # "bf16-matmul": also a prefill's matmuls in bf16 (rows rounded; modules.matmul_weight)
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_MODES:

@@ -173,8 +173,8 @@ class CedarRuntime:
         if chunked_prefill_size is not None and 0 < chunked_prefill_size < need:
             raise ValueError(f"--chunked-prefill-size {chunked_prefill_size} leaves no room for a hit's "
                              f"{self.cfg.sliding_window} replay rows: serve with at least {need}")
-        if self.flags.weights == "bf16":
-            round_to_bf16(self.model)
+        if self.flags.weights in ("bf16", "bf16-matmul"):
+            round_to_bf16(self.model, matmul=self.flags.weights == "bf16-matmul")
         self.pools = TokenPools(self.cfg, num_token_slots, self.device)
         self.slots = RequestSlots(self.cfg, req_to_token.shape[0], self.device)
         self.snapshots = SnapshotStore(int(self.flags.snapshot_mb * 2**20)) if self.flags.snapshot_mb > 0 else None

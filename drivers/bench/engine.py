@@ -52,7 +52,7 @@ LABELS = {"cedar": "Cedar", "stock": "stock SGLang", "vllm": "vLLM CPU", "llamac
 class EngineGrid:
     decode: tuple[tuple[int, int], ...] = ((1, 512), (8, 512), (1, 8192), (8, 8192))  # (batch, context)
     decode_tokens: int = 48
-    cold: tuple[int, ...] = (512, 2048, 8192)
+    cold: tuple[int, ...] = (16, 512, 2048, 8192)  # 16: an engine's per-request floor
     hits: tuple[tuple[int, int], ...] = ((4096, 16), (4096, 128))  # (prefix, new tokens)
     repeats: int = 3
     order: tuple[str, ...] | None = None  # None: default_order() of the peers installed
@@ -369,10 +369,15 @@ def stock_kernels_note() -> str:
             "The peers (vLLM CPU, llama.cpp) run their own native CPU kernels.")
 
 
-def peer_serve(engine: str, twin: Path, gguf: Path, port: int, grid: EngineGrid, peers: dict[str, PeerStatus]):
-    """(server config, client) of one peer's run on the twin (its HF dir; llama.cpp: its GGUF)."""
+PEER_DTYPES = {"float32": "f32", "bfloat16": "bf16"}  # the peers' dtype -> the GGUF's outtype
+
+
+def peer_serve(engine: str, twin: Path, gguf: Path, port: int, grid: EngineGrid, peers: dict[str, PeerStatus],
+               dtype: str = "float32"):
+    """(server config, client) of one peer's run on the twin (its HF dir; llama.cpp: its GGUF,
+    written in ``dtype``)."""
     if engine == "vllm":
-        serve = VllmServe(model=str(twin), port=port, python=peers["vllm"].executable)
+        serve = VllmServe(model=str(twin), port=port, python=peers["vllm"].executable, dtype=dtype)
         return serve, VllmClient(serve.host, port, serve.model)
     # NOTE: one unified KV cache for all slots: it must hold a whole batch of the grid at once
     ctx = max(16384, -(-grid.max_tokens_at_once // 1024) * 1024)
@@ -381,13 +386,13 @@ def peer_serve(engine: str, twin: Path, gguf: Path, port: int, grid: EngineGrid,
 
 
 def _peer_run(engine: str, record: dict, twin_dir: Path, port: int, grid: EngineGrid, peers: dict[str, PeerStatus],
-              vocab: int, seed0: int, log: Path) -> dict:
+              vocab: int, seed0: int, log: Path, dtype: str = "float32") -> dict:
     """One peer's run: its model (the GGUF written once, beside the twin's HF dir), its server
     (argv into ``record``) and the probes through its client."""
-    gguf = twin_dir.parent / "twin-f32.gguf"
+    gguf = twin_dir.parent / f"twin-{PEER_DTYPES[dtype]}.gguf"
     if engine == "llamacpp" and not gguf.exists():
-        write_gguf(twin_dir, gguf, Path(peers["llamacpp"].executable).parents[1])
-    serve, client = peer_serve(engine, twin_dir, gguf, port, grid, peers)
+        write_gguf(twin_dir, gguf, Path(peers["llamacpp"].executable).parents[1], outtype=PEER_DTYPES[dtype])
+    serve, client = peer_serve(engine, twin_dir, gguf, port, grid, peers, dtype)
     record["argv"] = serve.argv()
     with PeerProcess(serve, log_path=log):
         return {"engine": engine, "server_argv": serve.argv(), "probes": run_probes(client, grid, vocab, seed0)}
@@ -408,8 +413,12 @@ def try_peer(engine: str, record: dict, attempt: Callable[[], dict], runs: list[
 
 
 def run_engine_benchmark(model_dir: Path, out_json, plot_png=None, grid: EngineGrid = EngineGrid(),
-                         peers_root: Path = PEERS_ROOT, flags=None) -> dict:
-    """flags: Cedar's ServingFlags (they travel in its server_argv); None: the defaults."""
+                         peers_root: Path = PEERS_ROOT, flags=None, peer_dtype: str = "float32") -> dict:
+    """flags: Cedar's ServingFlags (they travel in its server_argv); None: the defaults.
+    peer_dtype: the peers' weights and compute ("float32", or "bfloat16": vLLM's --dtype and
+    llama.cpp's GGUF; the yardstick for Cedar's --weights bf16-matmul). Stock SGLang stays float32."""
+    if peer_dtype not in PEER_DTYPES:
+        raise ValueError(f"peer_dtype must be one of {list(PEER_DTYPES)}, got {peer_dtype!r}")
     import sglang
 
     from cedar.backend.config import CEDConfig
@@ -432,12 +441,14 @@ def run_engine_benchmark(model_dir: Path, out_json, plot_png=None, grid: EngineG
                                   "vocab_size": cfg.vocab_size},
                   "stock_model": twin, "grid": {**{k: getattr(grid, k) for k in grid.__dataclass_fields__},
                                                 "order": order},
-                  "peers": peer_records(order, peers), "runs": [], "notes": [
+                  "peers": peer_records(order, peers), "peer_dtype": peer_dtype,
+                  "cedar_weights": "float32" if flags is None else flags.weights, "runs": [], "notes": [
                       "Same SGLang server flags for Cedar and stock (server_argv per run); servers alternate in "
                       "grid.order, one at a time; the client runs on the same 2 cores.",
                       stock_kernels_note(),
-                      "Peers (make peers): vLLM's CPU build serves the twin's HF dir (float32, prefix caching); "
-                      "llama.cpp's llama-server serves an F32 GGUF written from it (8 slots, one unified KV "
+                      f"Peers (make peers): vLLM's CPU build serves the twin's HF dir ({peer_dtype}, prefix "
+                      f"caching); llama.cpp's llama-server serves a {PEER_DTYPES[peer_dtype].upper()} GGUF written "
+                      "from it (8 slots, one unified KV "
                       "cache sized to the grid's largest batch); both get the same token ids. peers.<name> "
                       "says whether each ran, why not, its version and argv.",
                       "decode tok/s: output tokens of the batch per second over the interval in which every "
@@ -465,7 +476,7 @@ def run_engine_benchmark(model_dir: Path, out_json, plot_png=None, grid: EngineG
                 continue
 
             attempt = partial(_peer_run, engine, report["peers"][engine], twin_dir, port, grid, peers,
-                              cfg.vocab_size, seed0, log)
+                              cfg.vocab_size, seed0, log, peer_dtype)
             try_peer(engine, report["peers"][engine], attempt, report["runs"], log)
         report["table"] = table(report["runs"])
     finally:

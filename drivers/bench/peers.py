@@ -100,13 +100,14 @@ class VllmServe:
     host: str = "127.0.0.1"
     max_model_len: int = 16384
     kvcache_gib: int = 4
+    dtype: str = "float32"  # or "bfloat16" (`cedar bench engine --peer-dtype`)
     threads_bind: str = "0-1"
     api_key = None
     health_path = "/health"
 
     def argv(self) -> list[str]:
         return [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--host", self.host,
-                "--port", str(self.port), "--dtype", "float32", "--max-model-len", str(self.max_model_len),
+                "--port", str(self.port), "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
                 "--enable-prefix-caching", "--enable-prompt-tokens-details"]
 
     def env(self) -> dict[str, str]:

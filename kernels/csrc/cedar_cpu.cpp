@@ -824,6 +824,11 @@ std::tuple<at::Tensor, at::Tensor> merge_states(const at::Tensor& out_a, const a
 // x (M, K) f32 times w (N, K)^T f32 for the few rows of a decode step (M <= kLinearRows): each
 // output one dot() in its fixed order, the weight rows split across the threads. Larger M, or
 // shapes dot() does not vectorize, go to at::linear.
+// A bfloat16 w: M <= kLinearRows widens each weight exactly (the float32 bits over the widened
+// weight); more rows are a bf16 matmul: x rounded to bfloat16, products summed in float32 by
+// at::linear over bfloat16 (AVX512-BF16 where the CPU has it, about twice float32's rate at a
+// prefill's row counts here). Only `cedar serve --weights bf16-matmul` hands a prefill bf16
+// weights (modules.matmul_weight); its tolerance is stated and tested.
 // NOTE: why: a decode step's matmuls read every weight once and do little else (memory-bound);
 // MKL's few-row GEMM read at about 6 GB/s on one core here and slower on two, where a plain read
 // streams at 11 GB/s on one core and 19 on two (cedar bench linear). Deterministic: no output
@@ -834,6 +839,8 @@ at::Tensor row_linear(const at::Tensor& x, const at::Tensor& w) {
   static const bool mkl = std::getenv("CEDAR_MKL_LINEAR") != nullptr;  // NOTE: an A/B switch for benchmarks
   const int64_t M = x.size(0), K = w.size(1), N = w.size(0);
   const bool bf16 = w.scalar_type() == at::kBFloat16;  // NOTE: the f32 path's bits over the widened weight
+  if (bf16 && x.dim() == 2 && M > kLinearRows && x.scalar_type() == at::kFloat)
+    return at::linear(x.to(at::kBFloat16), w).to(at::kFloat);
   if (mkl || x.dim() != 2 || M > kLinearRows || K % 8 || x.scalar_type() != at::kFloat ||
       (w.scalar_type() != at::kFloat && !bf16))
     return at::linear(x, bf16 ? w.to(at::kFloat) : w);
