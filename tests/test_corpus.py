@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cedar.backend.chat_template import tool_call_text
 from cedar.training.corpus.bugs import BUG_KINDS, make_bug
 from cedar.training.corpus.build import (HELDOUT, TRAIN_MIX, CorpusError, build_corpus, encode_session, make_tasks,
                                        prompt_key, run_scripted, split_at_gens, tokenize_corpus, train_tasks,
@@ -201,10 +202,65 @@ def test_function_calling_turns_end_with_a_text_answer_and_some_need_no_tool():
             if not turn["expected"]:
                 no_tool += 1
                 assert f"<|user|>{turn['user']}<|end|><|assistant|>{turn['answer']}<|end|>" in text
-            else:  # the results, then the answer that ends the turn
+            elif "loop" not in turn:  # the results, then the answer that ends the turn
                 assert "".join(f"<|tool|>{r}<|end|>" for r in turn["results"]) + \
                     f"<|assistant|>{turn['answer']}<|end|>" in text
     assert no_tool >= 3 and parallel_calls >= 5 and multi_turn >= 20
+
+
+def _turn_messages(text: str, turn: dict) -> list[tuple[str, str]]:
+    """(role, body) of the messages after ``turn``'s user message, up to and with its answer."""
+    start = text.index(f"<|user|>{turn['user']}<|end|>") + len(f"<|user|>{turn['user']}<|end|>")
+    end = text.index(f"<|assistant|>{turn['answer']}<|end|>", start) + len(f"<|assistant|>{turn['answer']}<|end|>")
+    return re.findall(r"<\|(assistant|tool)\|>(.*?)<\|end\|>", text[start:end], re.S)
+
+
+def test_training_loops_make_calls_one_at_a_time_and_stop_after_a_failed_call():
+    """Training turns (never held-out ones) vary their loop: several calls one a request, each
+    result before the next call; a call whose first result is an error is made once more after a
+    transient error (then its result, or a second error) and not after a permanent one; a call
+    that stays failed ends the turn: no call after it, and the answer says it failed."""
+    tasks = make_tasks(2, "train", {"function-calling": 120})
+    seen = {"sequential": 0, "retried": 0, "stays": 0}
+    for task in tasks:
+        text = run_scripted(task)[0]
+        for turn in task.inputs["turns"]:
+            loop = turn.get("loop")
+            if not loop:
+                continue
+            msgs = _turn_messages(text, turn)
+            roles = [r for r, _ in msgs]
+            assert roles[-1] == "assistant" and msgs[-1][1] == turn["answer"]
+            calls = [body for r, body in msgs[:-1] if r == "assistant"]
+            tools = [body for r, body in msgs if r == "tool"]
+            if loop.get("sequential"):
+                seen["sequential"] += 1
+                assert roles[:-1] == ["assistant", "tool"] * (len(roles) // 2)  # one call, its result, ...
+                assert all(c.count("<tool_call>") == 1 for c in calls)
+            fail = loop.get("failure")
+            if fail is None:
+                continue
+            name = turn["expected"][fail["call"]]["name"]
+            assert tools.count(fail["errors"][0]) >= 1 and fail["errors"][0].startswith("error: ")
+            at = msgs.index(("tool", fail["errors"][0]))
+            if fail["retry"]:  # the very call again, alone
+                seen["retried"] += 1
+                exp = turn["expected"][fail["call"]]
+                after = next(m for m in msgs[at + 1:] if m[0] == "assistant")  # past the other calls' results
+                assert after == ("assistant", tool_call_text(name, json.dumps(exp["arguments"])))
+            else:
+                assert name not in "".join(b for _, b in msgs[at + 1:-1])  # no retry after a permanent error
+            stays = len(fail["errors"]) == 1 + fail["retry"]
+            if stays:
+                seen["stays"] += 1
+                assert f"The call to {name} failed ({fail['errors'][-1][7:]})." in turn["answer"]
+                last = len(msgs) - 1 - msgs[::-1].index(("tool", fail["errors"][-1]))
+                assert all(r == "tool" for r, _ in msgs[last:-1])  # no call after the failure stands
+            else:
+                assert "failed" not in turn["answer"]
+    assert seen["sequential"] >= 10 and seen["retried"] >= 5 and seen["stays"] >= 5, seen
+    for task in make_tasks(2, "heldout", {"function-calling": 40}):
+        assert all("loop" not in turn for turn in task.inputs["turns"])
 
 
 def test_a_call_that_breaks_its_schema_is_a_corpus_error():

@@ -15,6 +15,13 @@ when ``expected`` is empty, instead of any call) - what an OpenAI-API loop ends 
 `loop_text(inputs)` renders a task as the chat template renders the OpenAI conversation (calls,
 results, text answers); with ``answers=False`` it is, byte for byte, the text the constrained
 function-calling program writes (the corpus build checks that on every task).
+
+Training tasks (not held-out ones) also vary how a turn's loop runs, in a turn's ``loop`` key
+(:func:`vary_loops`; the runners ignore it, `loop_text` renders it): a turn of several calls made
+one call a request (each result before the next call), and a call whose first result is an
+error: after a transient error the same call once more (its result, or a second error), after a
+permanent one no retry; a call that stays failed ends the turn with a text answer that says so
+(an agent loop stops rather than repeating a call). Error texts are the training side's own.
 """
 
 from __future__ import annotations
@@ -229,13 +236,74 @@ def result_for(rng: random.Random) -> tuple[str, str]:
     return "ok", "Done."
 
 
+TRANSIENT_ERRORS = ("error: timeout after 30 s", "error: service busy, try again", "error: 503 temporarily unavailable",
+                    "error: connection reset; retry the call")
+PERMANENT_ERRORS = ("error: {tool} is disabled for this account", "error: permission denied for {tool}",
+                    "error: daily quota of {tool} used up", "error: {tool} is not offered in this region")
+SEQUENTIAL_SHARE, FAILURE_SHARE, RETRY_OK_SHARE = 0.5, 0.2, 0.75
+
+
+def vary_loops(rng: random.Random, turns: list[dict], reports: list[list[str]]) -> None:
+    """Give some of ``turns`` (each calls-turn with its calls' ``reports``) a ``loop``: one call a
+    request (``sequential``, for turns of several calls) and/or a ``failure`` of one call
+    (``{"call": k, "errors": [...], "retry": bool}``); a failure that stands rewrites the turn's
+    answer (the calls reported that ran, then the failure). Mutates ``turns``."""
+    for turn, reps in zip(turns, reports):
+        calls = turn["expected"]
+        if not calls:
+            continue
+        loop = {}
+        if len(calls) > 1 and rng.random() < SEQUENTIAL_SHARE:
+            loop["sequential"] = True
+        if rng.random() < FAILURE_SHARE:
+            k = rng.randrange(len(calls))
+            tool = calls[k]["name"]
+            retry = rng.random() < 0.5
+            first = rng.choice(TRANSIENT_ERRORS if retry else PERMANENT_ERRORS).format(tool=tool)
+            errors = [first] if not retry or rng.random() < RETRY_OK_SHARE else [first, rng.choice(TRANSIENT_ERRORS)]
+            loop["failure"] = {"call": k, "errors": errors, "retry": retry}
+            if len(errors) == 1 + retry:  # it stayed failed: the answer says so
+                done = reps[:k] if loop.get("sequential") else reps[:k] + reps[k + 1:]
+                turn["answer"] = " ".join(done + [f"The call to {tool} failed ({errors[-1][7:]})."])
+        if loop:
+            turn["loop"] = loop
+
+
+def _turn_loop(turn: dict) -> str:
+    """A calls-turn after its user message as an OpenAI-API loop renders it (``loop`` applied):
+    assistant messages of calls and their tool messages, up to the text answer (not included)."""
+    calls = [tool_call_text(c["name"], json.dumps(c["arguments"])) for c in turn["expected"]]
+    results = turn.get("results") or []
+    result = [results[k] if k < len(results) else "ok" for k in range(len(calls))]
+    loop = turn.get("loop") or {}
+    fail = loop.get("failure")
+    k = fail["call"] if fail else -1
+    retry_text = ""
+    if fail:  # the first result of call k is an error; a retry makes it again, then its result or a second error
+        stays = len(fail["errors"]) == 1 + fail["retry"]
+        if fail["retry"]:
+            retry_text = message_text("assistant", calls[k]) + message_text(
+                "tool", fail["errors"][1] if stays else result[k])
+        result[k] = fail["errors"][0]
+    else:
+        stays = False
+    if not loop.get("sequential"):
+        return message_text("assistant", "".join(calls)) + "".join(message_text("tool", r) for r in result) + retry_text
+    text = ""
+    for j, (c, r) in enumerate(zip(calls, result)):
+        text += message_text("assistant", c) + message_text("tool", r) + (retry_text if j == k else "")
+        if j == k and stays:  # NOTE: a call that stays failed ends the turn: no further call
+            break
+    return text
+
+
 def fc_task(rng: random.Random, heldout: bool = False, index: int = 0) -> Task:
     """A task over 2-5 schemas of the split's catalogue: 1-3 turns, each with 1-3 calls (or, after
     the first, a turn answered without a tool), a result per call and the text that ends it."""
     tools = rng.sample(catalogue(heldout), rng.randrange(2, 6))
     frames, which, last = side(FRAMES, heldout), side(WHICH, heldout), side(LAST, heldout)
     thanks = side(THANKS, heldout)
-    turns, answers, values = [], [], []
+    turns, answers, values, turn_reports = [], [], [], []
     for t in range(rng.randrange(1, 4)):
         if t > 0 and rng.random() < 0.2:  # a turn answered without a tool
             form = rng.randrange(3)
@@ -249,9 +317,11 @@ def fc_task(rng: random.Random, heldout: bool = False, index: int = 0) -> Task:
                 user = rng.choice(last)
                 answer = f"It returned {turns[-1]['results'][-1]}." if turns[-1]["results"] else "Nothing yet."
             turns.append({"user": user, "expected": [], "results": [], "answer": answer})
+            turn_reports.append([])
             continue
         picks = [rng.choice(tools) for _ in range(rng.choices((1, 2, 3), (0.6, 0.3, 0.1))[0])]
-        expected, texts, results, reports = [], [], [], []
+        turn_reports.append(reports := [])
+        expected, texts, results = [], [], []
         for schema in picks:
             args = {p.name: sample_value(rng, p) for p in schema.params if p.required or rng.random() < 0.5}
             texts.append(request(rng, schema, args, frames))
@@ -270,6 +340,8 @@ def fc_task(rng: random.Random, heldout: bool = False, index: int = 0) -> Task:
     if system:
         inputs["system"] = system
     values += [s.name for s in tools]
+    if not heldout:  # NOTE: from a stream drawn last, so every other field is what it was without it
+        vary_loops(random.Random(rng.getrandbits(64)), turns, turn_reports)
     first = turns[0]["expected"][0]["name"]
     return Task("function-calling", "function-calling", inputs, {(turns[0]["user"], None): answers},
                 {"calls": [c for t in turns for c in t["expected"]]}, f"function-calling/schema:{first}",
@@ -280,20 +352,18 @@ def loop_text(inputs: dict, answers: bool = True) -> str:
     """The task's conversation in the served markup: system (with the tools), then per turn the
     user message, one assistant message with the expected calls, one tool message per call
     (`results[k]` or "ok") and, with ``answers``, the turn's text answer (a message of its own
-    after the results, or the assistant message itself when the turn has no calls)."""
+    after the results, or the assistant message itself when the turn has no calls). With
+    ``answers`` a turn's ``loop`` (one call a request, a failed call) is rendered too; without,
+    the text is the constrained program's, which knows no loop."""
     registry = ToolRegistry.from_openai(inputs["tools"])
     text = message_text("system", system_text(inputs.get("system"), registry.openai_tools()))
     for turn in inputs["turns"]:
         text += message_text("user", turn["user"])
-        calls = "".join(tool_call_text(c["name"], json.dumps(c["arguments"])) for c in turn["expected"])
         final = turn.get("answer") if answers else None
         if not turn["expected"]:
             text += message_text("assistant", final or "")
             continue
-        text += message_text("assistant", calls)
-        results = turn.get("results") or []
-        text += "".join(message_text("tool", results[k] if k < len(results) else "ok")
-                        for k in range(len(turn["expected"])))
+        text += _turn_loop(turn if answers else {k: v for k, v in turn.items() if k != "loop"})
         if final:
             text += message_text("assistant", final)
     return text
