@@ -199,7 +199,10 @@ pools); the default model of `cedar serve`, `cedar agent run` and `make demo`.
   that knows the answer (`cedar.training.corpus`): function calling over 520 generated tool schemas
   (random names, 1-4 parameters of integer, number, enum, string, array and nested-object types,
   values drawn uniformly; 400 train, 120 held out), paraphrased requests, 1-3 calls per turn and
-  1-3 turns, some answered without a tool, every turn ending with a text answer; ReAct over
+  1-3 turns, some answered without a tool, every turn ending with a text answer (the last stage's
+  corpus also runs some turns as an agent loop does: one call a request, and a call whose first
+  result is an error, made again after a transient error and not after a permanent one, a call
+  that stays failed ending the turn with an answer that says so); ReAct over
   generated facts with entity names split by hash; long-range recall (a value from the first tool
   result, asked for after 5-8 long notes); the coding agent in real sandboxes over 20 bug kinds (5
   held out); fork and subagent sessions; plus Python standard-library source (PSF licence). Every
