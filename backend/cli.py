@@ -14,6 +14,10 @@ import json
 import time
 from pathlib import Path
 
+# `--weights` of cedar serve and the benchmarks that start servers (ServingFlags.weights, checked
+# there against planner.WEIGHT_MODES; listed here so a CLI parses without importing torch)
+WEIGHT_CHOICES = ("float32", "bf16", "bf16-matmul")
+
 # the trained, shipped model (committed); `models/cedar-tiny` is the random-init test geometry
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "cedar-agent"
 
@@ -148,7 +152,7 @@ def register(sub) -> None:
     s.add_argument("--decode-threads", type=int, default=1,
                    help="CPU threads of a decode step (0: the server's threads, as a prefill); one leaves "
                         "the other core to SGLang's tokenizer and detokenizer, which handle every streamed token")
-    s.add_argument("--weights", choices=["float32", "bf16", "bf16-matmul"], default="float32",
+    s.add_argument("--weights", choices=WEIGHT_CHOICES, default="float32",
                    help="bf16: each projection weight rounded to bf16 at load, a decode step reading bf16 "
                         "copies (half the bytes; the served tokens are those of the rounded model); "
                         "bf16-matmul: also a prefill's matmuls in bf16, their rows rounded (the CPU's bf16 "

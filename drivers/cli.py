@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from cedar.agents.cli import write_json
+from cedar.backend.cli import WEIGHT_CHOICES
 from cedar.frontend.server import DEFAULT_MODEL_DIR, serve
 
 from .bench import agents_cli
@@ -208,7 +209,7 @@ def _add_bench(sub) -> None:
         s.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
         s.add_argument("--quick", action="store_true", help=quick)
         if name == "engine":
-            s.add_argument("--weights", choices=["float32", "bf16", "bf16-matmul"], default="float32",
+            s.add_argument("--weights", choices=WEIGHT_CHOICES, default="float32",
                            help="Cedar's servers' --weights (bf16-matmul: see README)")
             s.add_argument("--peer-dtype", choices=["float32", "bfloat16"], default="float32",
                            help="the peers' (vLLM's, llama.cpp's) weights and compute; stock SGLang stays float32")
@@ -259,7 +260,7 @@ def _add_bench(sub) -> None:
     s.add_argument("--repeats", type=int, default=2, help="unsampled runs a case (their median tok/s)")
     s.add_argument("--cases", default="1x512,8x512", help="BATCHxCONTEXT, comma-separated")
     s.add_argument("--plot", default=None, help="also write a PNG (the buckets' shares a case) here")
-    s.add_argument("--weights", choices=["float32", "bf16", "bf16-matmul"], default="float32", help="the server's --weights")
+    s.add_argument("--weights", choices=WEIGHT_CHOICES, default="float32", help="the server's --weights")
     s.set_defaults(fn=_cmd_bench_scheduler)
     agents_cli.register(kinds)  # `cedar bench agents`: the agent-load matrix
 

@@ -35,10 +35,11 @@ LINEAR = (1, 2, 4, 5, 7, 9, 10, 11, 13, 14, 16)  # a layer's projection weights 
 # the projections whose prefill matmuls --weights bf16-matmul runs in bf16: the MLP's gate, up and
 # down (most of a layer's matmul work). NOTE: measured on the model shipped before 2026-12-04's
 # (tests/test_bf16_weights.py's prompts): rounding the rows of every projection moved its
-# next-token distributions 15x more than rounding the weights alone (mean KL 2.9e-2, max 1.2, against 2.0e-3); the window and compressor KV
-# projections (their rows become FP8 / FP4 cache rows and the indexer's keys) account for most of
-# it, the queries and output projection for the rest (1.2e-2); the MLP alone keeps 2.0e-3 (on the
-# model shipped now: 5.9e-3 for bf16 weights, 6.5e-3 with the MLP's matmuls)
+# next-token distributions 15x more than rounding the weights alone (mean KL 2.9e-2, max 1.2,
+# against 2.0e-3); the window and compressor KV projections (their rows become FP8 / FP4 cache
+# rows and the indexer's keys) account for most of it, the queries and output projection for the
+# rest (1.2e-2); the MLP alone keeps 2.0e-3 (on the model shipped now: 5.9e-3 for bf16 weights,
+# 6.5e-3 with the MLP's matmuls)
 MATMUL_BF16 = (9, 10, 11)
 ENABLED = True  # NOTE: the tests switch it off to compare with the per-layer path
 

@@ -173,7 +173,7 @@ class CedarRuntime:
         if chunked_prefill_size is not None and 0 < chunked_prefill_size < need:
             raise ValueError(f"--chunked-prefill-size {chunked_prefill_size} leaves no room for a hit's "
                              f"{self.cfg.sliding_window} replay rows: serve with at least {need}")
-        if self.flags.weights in ("bf16", "bf16-matmul"):
+        if self.flags.weights != "float32":
             round_to_bf16(self.model, matmul=self.flags.weights == "bf16-matmul")
         self.pools = TokenPools(self.cfg, num_token_slots, self.device)
         self.slots = RequestSlots(self.cfg, req_to_token.shape[0], self.device)

@@ -262,11 +262,17 @@ def vary_loops(rng: random.Random, turns: list[dict], reports: list[list[str]]) 
             first = rng.choice(TRANSIENT_ERRORS if retry else PERMANENT_ERRORS).format(tool=tool)
             errors = [first] if not retry or rng.random() < RETRY_OK_SHARE else [first, rng.choice(TRANSIENT_ERRORS)]
             loop["failure"] = {"call": k, "errors": errors, "retry": retry}
-            if len(errors) == 1 + retry:  # it stayed failed: the answer says so
+            if stays_failed(loop["failure"]):  # the answer says so
                 done = reps[:k] if loop.get("sequential") else reps[:k] + reps[k + 1:]
                 turn["answer"] = " ".join(done + [f"The call to {tool} failed ({errors[-1][7:]})."])
         if loop:
             turn["loop"] = loop
+
+
+def stays_failed(failure: dict) -> bool:
+    """Whether a turn's failed call is still failed when the turn ends: no retry, or a retry that
+    got a second error."""
+    return len(failure["errors"]) == 1 + failure["retry"]
 
 
 def _turn_loop(turn: dict) -> str:
@@ -277,16 +283,13 @@ def _turn_loop(turn: dict) -> str:
     result = [results[k] if k < len(results) else "ok" for k in range(len(calls))]
     loop = turn.get("loop") or {}
     fail = loop.get("failure")
-    k = fail["call"] if fail else -1
-    retry_text = ""
-    if fail:  # the first result of call k is an error; a retry makes it again, then its result or a second error
-        stays = len(fail["errors"]) == 1 + fail["retry"]
+    k, retry_text, stays = -1, "", False
+    if fail:  # call k's first result is an error; a retry makes the call again: its result, or a second error
+        k, stays = fail["call"], stays_failed(fail)
         if fail["retry"]:
-            retry_text = message_text("assistant", calls[k]) + message_text(
-                "tool", fail["errors"][1] if stays else result[k])
+            again = fail["errors"][-1] if stays else result[k]
+            retry_text = message_text("assistant", calls[k]) + message_text("tool", again)
         result[k] = fail["errors"][0]
-    else:
-        stays = False
     if not loop.get("sequential"):
         return message_text("assistant", "".join(calls)) + "".join(message_text("tool", r) for r in result) + retry_text
     text = ""
