@@ -379,3 +379,22 @@ def test_the_demo_runs_heldout_templates_and_a_right_run_passes_their_checks():
             wrong = AGENTS[task.agent](ScriptedBackend(task.script), inputs)
             assert wrong["scores"]["task_errors"] == 0 and wrong["scores"]["names_ok"] > 0  # scored, not refused
             assert not outcome_ok(task, wrong)
+
+
+def test_a_scripted_run_that_fails_once_is_run_again_and_one_that_fails_twice_stops_the_build(monkeypatch):
+    from cedar.training.corpus import build
+
+    task = make_tasks(0, "train", {"react": 1})[0]
+    fails = {"left": 1}
+
+    def flaky(t):  # the sandbox's clock: a test run past its limit once
+        if fails["left"]:
+            fails["left"] -= 1
+            raise CorpusError("coding: the scripted run did not reach ...")
+        return ["text"]
+
+    monkeypatch.setattr(build, "run_scripted", flaky)
+    assert build._run_scripted_twice(task) == ["text"]
+    fails["left"] = 2
+    with pytest.raises(CorpusError):
+        build._run_scripted_twice(task)

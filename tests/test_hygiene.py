@@ -293,3 +293,21 @@ def test_a_failing_set_up_step_prints_its_output_and_stops(tmp_path):
                     'echo "[setup] done"')
     assert bad.returncode == 3 and bad.stdout == "[setup] SGLang\n"  # nothing after the failure ran
     assert "resolving" in bad.stderr and "ERROR: no wheel" in bad.stderr and str(tmp_path / "setup.log") in bad.stderr
+
+
+def test_free_ports_come_from_outside_the_kernels_and_sglangs_ranges_and_skip_busy_ones(monkeypatch):
+    # a port handed to a child is bound a minute later: from the ephemeral range (bind(0)) it may
+    # by then be the local end of a connection (a router once exited "Address already in use")
+    import socket
+
+    from cedar.backend.serving import process
+
+    ports = [free_port(3) for _ in range(20)]
+    assert all(process.PORT_RANGE[0] <= p and p + 2 <= process.PORT_RANGE[1] for p in ports)
+    with socket.socket() as s:  # every start but one busy: the one free run is found
+        s.bind(("127.0.0.1", 30101))
+        order = [30100, 30101, 30102]  # a run of 2 from 30100 or 30101 holds the busy port
+        monkeypatch.setattr(process.random, "sample", lambda r, k: [p for p in order if p in r][:k])
+        assert free_port(2) == 30102
+        monkeypatch.setattr(process, "PORT_RANGE", (30101, 30101))  # the range full: the kernel's choice
+        assert free_port() >= process._ephemeral_low()

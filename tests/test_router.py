@@ -2,8 +2,6 @@
 two small replicas): a session's turns keep their prefix hits through the cache-aware router,
 and requests are still served after one replica is stopped."""
 
-import socket
-
 import pytest
 
 from cedar.backend.serving.launch import ServeConfig
@@ -15,26 +13,13 @@ from server_helpers import generate, prompt
 pytestmark = pytest.mark.slow
 
 
-def _free_run(n: int) -> int:
-    """A port p with p ... p + n - 1 all free."""
-    while True:
-        p = free_port()
-        try:
-            for q in range(p, p + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", q))
-            return p
-        except OSError:
-            continue
-
-
 @pytest.fixture(scope="module")
 def replicas(tiny_model_dir, tmp_path_factory):
     base = ServeConfig(model=str(tiny_model_dir), extra=("--sleep-on-idle", "--max-total-tokens", "16384",
                                                          "--context-length", "4096"))
     # NOTE: health checks five minutes apart: a stopped replica is still "healthy" to the router
     # throughout the test, so only the retries and the circuit breaker can route around it
-    router = RouterConfig(port=_free_run(3), health_interval_s=300)
+    router = RouterConfig(port=free_port(3), health_interval_s=300)
     r = Replicas(base, 2, router, log_dir=tmp_path_factory.mktemp("replicas")).start()
     yield r
     r.stop()

@@ -14,6 +14,7 @@ import ctypes
 import http.client
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -27,10 +28,41 @@ from pathlib import Path
 from .launch import ServeConfig
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# NOTE: a port picked here is bound later, by a child, often a minute later (a router starts after
+# its replicas). A port from the kernel's ephemeral range (bind(0)) may by then be the local end of
+# some connection (CI saw a router exit with "Address already in use"); SGLang picks its own
+# rendezvous ports in 22000-29999. So ports come from the gap between the two
+PORT_RANGE = (30000, 32767)
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(count: int = 1) -> int:
+    """A port p with p ... p + count - 1 free now, below the ephemeral range where it can be
+    (a random one in :data:`PORT_RANGE`), else one the kernel hands out."""
+    low, high = PORT_RANGE[0], min(PORT_RANGE[1], _ephemeral_low() - 1)
+    starts = random.sample(range(low, high - count + 2), min(64, max(0, high - count + 2 - low)))
+    for p in starts + [0] * 64:  # NOTE: 0: the kernel's choice, only if the range is full
+        try:
+            socks = [socket.socket() for _ in range(count)]
+            try:
+                socks[0].bind(("127.0.0.1", p))
+                p = socks[0].getsockname()[1]
+                for q, s in zip(range(p + 1, p + count), socks[1:]):
+                    s.bind(("127.0.0.1", q))
+            finally:
+                for s in socks:
+                    s.close()
+            return p
+        except OSError:
+            continue
+    raise RuntimeError(f"no run of {count} free ports")
 
 
 PR_SET_PDEATHSIG = 1  # prctl(2)

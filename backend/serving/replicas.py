@@ -109,7 +109,9 @@ class Replicas:
         deadline, url = time.time() + timeout_s, f"http://{cfg.host}:{cfg.port}"
         while time.time() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"the router exited with {proc.returncode}; log: {log_path}")
+                tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
+                raise RuntimeError(f"the router exited with {proc.returncode}; log: {log_path}; it ends: "
+                                   + " | ".join(tail))
             try:  # NOTE: the router answers /health before it has registered its workers
                 with urllib.request.urlopen(url + "/readiness", timeout=10) as r:
                     if json.loads(r.read()).get("healthy_workers") == len(self.servers):

@@ -113,6 +113,16 @@ def run_scripted(task: Task) -> list[str]:
     return texts
 
 
+def _run_scripted_twice(task: Task) -> list[str]:
+    """`run_scripted`, once more if it fails: a scripted run is deterministic but for the sandbox's
+    clock (a coding task's test run past its limit while the machine was busy stopped a corpus
+    build at session 4,000); a task that fails twice is a corpus error."""
+    try:
+        return run_scripted(task)
+    except CorpusError:
+        return run_scripted(task)
+
+
 def plain_texts(max_chars: int, piece_chars: int = 3000) -> list[str]:
     """Pieces of this interpreter's standard-library sources (PSF licence), in a fixed order."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -145,7 +155,7 @@ def build_corpus(seed: int = 0, scale: float = 1.0, log=print) -> Corpus:
     train = train_tasks(seed, scale, heldout)
     sessions = []
     for i, task in enumerate(train):
-        sessions += [{"kind": task.kind, "text": t, "values": task.values} for t in run_scripted(task)]
+        sessions += [{"kind": task.kind, "text": t, "values": task.values} for t in _run_scripted_twice(task)]
         if log and (i + 1) % 500 == 0:
             log(f"[corpus] {i + 1}/{len(train)} scripted sessions")
     chars = sum(len(s["text"]) for s in sessions)
