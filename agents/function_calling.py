@@ -199,6 +199,34 @@ def arguments_match(got, expected: dict, required: frozenset | None = None) -> t
     return ok, values_ok
 
 
+def value_kind(v) -> str:
+    """A JSON value's kind as the scores break values down: bool, integer, number, string,
+    array, object or null."""
+    if isinstance(v, bool):
+        return "bool"
+    if isinstance(v, int):
+        return "integer"
+    if isinstance(v, float):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}.get(type(v), "null")
+
+
+def values_by_kind(calls: list[CallScore]) -> dict[str, dict[str, int]]:
+    """Expected argument values by kind: {kind: {"values": n, "ok": given and equal under the
+    right name (0 for a call to the wrong tool, as values_ok counts)}}."""
+    out: dict[str, dict[str, int]] = {}
+    for c in calls:
+        try:
+            got = json.loads(c.got_arguments)
+        except (json.JSONDecodeError, TypeError):
+            got = None
+        for k, v in c.expected["arguments"].items():
+            d = out.setdefault(value_kind(v), {"values": 0, "ok": 0})
+            d["values"] += 1
+            d["ok"] += c.name_ok and isinstance(got, dict) and k in got and same_json(got[k], v)
+    return out
+
+
 def score_call(turn: int, index: int, expected: dict, name: str, arguments: str,
                required: frozenset | None = None) -> CallScore:
     try:
@@ -229,7 +257,7 @@ def summarize(per_task: dict[str, list[CallScore]], errors: list[TaskError] = ()
     return {"tasks": tasks, "tasks_ok": tasks_ok, "tasks_exact": tasks_exact, "task_errors": len(errors),
             "calls": len(calls), "names_ok": sum(c.name_ok for c in calls), "calls_ok": sum(c.ok for c in calls),
             "calls_exact": sum(c.exact for c in calls), "values": values,
-            "values_ok": sum(c.values_ok for c in calls),
+            "values_ok": sum(c.values_ok for c in calls), "values_by_kind": values_by_kind(calls),
             "name_accuracy": share(sum(c.name_ok for c in calls), len(calls)),
             "call_accuracy": share(sum(c.ok for c in calls), len(calls)),
             "exact_accuracy": share(sum(c.exact for c in calls), len(calls)),

@@ -369,6 +369,9 @@ def evaluate_table(report: dict) -> str:
                          f"arguments {fc['calls_ok']}/{fc['calls']}, "
                          f"exact {fc['calls_exact']}/{fc['calls']}, values {fc['values_ok']}/{fc['values']}; "
                          f"tasks {fc['tasks_ok']}/{fc['tasks']} ({fc['task_errors']} in error)")
+            if fc.get("values_by_kind"):
+                lines.append("  values by kind: " + ", ".join(f"{kind} {d['ok']}/{d['values']}"
+                                                            for kind, d in sorted(fc["values_by_kind"].items())))
         u = r.get("unconstrained_calls")
         if u:
             lines.append(f"unconstrained tool calls: {u['valid']}/{u['calls']} valid ({u['valid_share']:.1%}), "

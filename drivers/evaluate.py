@@ -128,6 +128,10 @@ def function_calling_figures(outcomes: list[Outcome]) -> dict:
                 continue
             for k in FC_COUNTS:
                 out[k] += sc[k]
+            for kind, d in sc.get("values_by_kind", {}).items():
+                mine = out.setdefault("values_by_kind", {}).setdefault(kind, {"values": 0, "ok": 0})
+                mine["values"] += d["values"]
+                mine["ok"] += d["ok"]
     for name, num, den in (("name_accuracy", "names_ok", "calls"), ("call_accuracy", "calls_ok", "calls"),
                            ("exact_accuracy", "calls_exact", "calls"), ("value_accuracy", "values_ok", "values"),
                            ("task_accuracy", "tasks_ok", "tasks"), ("task_exact_accuracy", "tasks_exact", "tasks")):

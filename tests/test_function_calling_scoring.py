@@ -29,6 +29,17 @@ def test_score_call_and_summary():
     assert s["call_accuracy"] == round(2 / 5, 4) and s["task_accuracy"] == round(1 / 3, 4)
 
 
+def test_values_are_broken_down_by_kind():
+    exp = {"name": "f", "arguments": {"n": 3, "x": 1.5, "s": "a b", "e": ["u"], "b": False}}
+    got = score_call(0, 0, exp, "f", '{"n": 3, "x": 1.25, "s": "a b", "e": ["v"], "b": 0}')
+    other_tool = score_call(0, 1, exp, "g", json.dumps(exp["arguments"]))  # right values, wrong tool
+    kinds = summarize({"t": [got, other_tool]})["values_by_kind"]
+    assert kinds == {"integer": {"values": 2, "ok": 1}, "number": {"values": 2, "ok": 0},
+                     "string": {"values": 2, "ok": 1}, "array": {"values": 2, "ok": 0},
+                     "bool": {"values": 2, "ok": 0}}
+    assert sum(d["ok"] for d in kinds.values()) == got.values_ok + other_tool.values_ok
+
+
 def test_task_files_load_and_bad_ones_are_refused(tmp_path):
     assert [t["name"] for t in load_tasks("tests/data/fc_forced.json")] == ["colors", "levels"]
     jsonl = tmp_path / "t.jsonl"
@@ -105,3 +116,16 @@ def test_the_runner_scores_the_good_tasks_beside_a_bad_one():
     assert (sc["tasks"], sc["tasks_ok"], sc["task_errors"], sc["calls"], sc["calls_ok"]) == (3, 1, 1, 2, 1)
     assert sc["errors"][0]["index"] == 1 and sc["errors"][0]["name"] == "bad"
     assert [c["ok"] for c in sc["per_task"]["b"]] == [False]
+
+
+def test_the_evaluation_sums_the_kinds_over_tasks_and_counts_a_failed_run_as_a_task():
+    from cedar.drivers.evaluate import Outcome, function_calling_figures
+
+    exp = {"name": "f", "arguments": {"n": 3, "s": "a"}}
+    runs = [summarize({"a": [score_call(0, 0, exp, "f", '{"n": 3, "s": "b"}')]}),
+            summarize({"b": [score_call(0, 0, exp, "f", '{"n": 4, "s": "a"}')]})]
+    outcomes = [Outcome(i, "function-calling", "t", False, {"scores": r}) for i, r in enumerate(runs)]
+    outcomes.append(Outcome(2, "function-calling", "t", False, {"error": "the server went away"}))
+    fig = function_calling_figures(outcomes)
+    assert fig["values_by_kind"] == {"integer": {"values": 2, "ok": 1}, "string": {"values": 2, "ok": 1}}
+    assert (fig["tasks"], fig["task_errors"], fig["values_ok"], fig["values"]) == (3, 1, 2, 4)
