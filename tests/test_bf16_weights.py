@@ -113,9 +113,10 @@ def test_the_rounded_shipped_model_stays_close_to_the_float32_one(weights):
     """Three text prompts (the tokenizer's built-in corpus: prose, tool calls, JSON; 60 to 700
     tokens, past the window), then the float32 model's 40 greedy tokens fed to both models: the
     bf16 model's next token is the float32 model's on at least 93% of the steps, and the mean KL
-    of the next-token distributions is below 1e-2 (the README's figures come from this test; the
-    model shipped before measured 2.0e-3 for both modes, the one shipped now 5.9e-3 / 6.5e-3: how
-    far bf16 moves a model is the model's own, so the README states each figure)."""
+    of the next-token distributions is below 4e-3 (the README's figures come from this test;
+    earlier models measured 2.0e-3 for both modes and 5.9e-3 / 6.5e-3 (the bound was 1e-2 then),
+    the one shipped now 9.1e-4 / 1.3e-3: how far bf16 moves a model is the model's own, so the
+    README states each figure)."""
     from tokenizers import Tokenizer
 
     from cedar.backend.tokenizer import builtin_corpus
@@ -135,7 +136,7 @@ def test_the_rounded_shipped_model_stays_close_to_the_float32_one(weights):
         kls += [float((a.exp() * (a - b)).sum()) for a, b in zip(want, got)]
     print(f"{weights} vs float32: next token agrees {agree}/{steps}, mean KL {sum(kls) / len(kls):.2e}, max {max(kls):.2e}")
     assert agree / steps >= 0.93, (agree, steps)
-    assert sum(kls) / len(kls) < 1e-2, max(kls)
+    assert sum(kls) / len(kls) < 4e-3, max(kls)
 
 
 @pytest.mark.slow
