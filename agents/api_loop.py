@@ -17,13 +17,12 @@ be left out); **calls right** counts expected calls that were made.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 
 from cedar.backend.chat_template import TOOL_CALL_BEGIN
 from cedar.frontend.tools import ToolRegistry
 
-from .function_calling import arguments_match, required_arguments
+from .function_calling import arguments_match, parse_arguments, required_arguments
 
 MAX_REQUESTS = 6
 ERROR_RESULT = "error: this call failed (unknown request); check the tool and its arguments"
@@ -54,10 +53,7 @@ class LoopScore:
 
 def _match(call: dict, expected: list[dict], used: list[bool], required: dict[str, frozenset]) -> int | None:
     """The index of the first unused expected call that `call` makes, or None."""
-    try:
-        args = json.loads(call["arguments"])
-    except (json.JSONDecodeError, TypeError):
-        return None
+    args = parse_arguments(call["arguments"])  # None (not JSON) matches nothing
     for i, exp in enumerate(expected):
         if not used[i] and call["name"] == exp["name"] and \
                 arguments_match(args, exp["arguments"], required.get(exp["name"]))[0]:

@@ -188,12 +188,25 @@ def same_json(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
+def parse_arguments(arguments: str):
+    """A call's arguments as JSON, None when they are not JSON."""
+    try:
+        return json.loads(arguments)
+    except (json.JSONDecodeError, TypeError):
+        return None
+
+
+def value_hits(got, expected: dict) -> list[bool]:
+    """Per expected argument (in order): given and equal."""
+    return [isinstance(got, dict) and k in got and same_json(got[k], v) for k, v in expected.items()]
+
+
 def arguments_match(got, expected: dict, required: frozenset | None = None) -> tuple[bool, int]:
     """(every value right, an unrequired one possibly left out; expected values given and equal).
     `required` None: every expected argument is required."""
     if not isinstance(got, dict):
         return False, 0
-    values_ok = sum(k in got and same_json(got[k], v) for k, v in expected.items())
+    values_ok = sum(value_hits(got, expected))
     need = set(expected) if required is None else set(expected) & set(required)
     ok = set(got) <= set(expected) and need <= set(got) and all(same_json(got[k], expected[k]) for k in got)
     return ok, values_ok
@@ -216,23 +229,17 @@ def values_by_kind(calls: list[CallScore]) -> dict[str, dict[str, int]]:
     right name (0 for a call to the wrong tool, as values_ok counts)}}."""
     out: dict[str, dict[str, int]] = {}
     for c in calls:
-        try:
-            got = json.loads(c.got_arguments)
-        except (json.JSONDecodeError, TypeError):
-            got = None
-        for k, v in c.expected["arguments"].items():
+        expected = c.expected["arguments"]
+        for v, hit in zip(expected.values(), value_hits(parse_arguments(c.got_arguments), expected)):
             d = out.setdefault(value_kind(v), {"values": 0, "ok": 0})
             d["values"] += 1
-            d["ok"] += c.name_ok and isinstance(got, dict) and k in got and same_json(got[k], v)
+            d["ok"] += c.name_ok and hit
     return out
 
 
 def score_call(turn: int, index: int, expected: dict, name: str, arguments: str,
                required: frozenset | None = None) -> CallScore:
-    try:
-        parsed = json.loads(arguments)
-    except (json.JSONDecodeError, TypeError):
-        parsed = None
+    parsed = parse_arguments(arguments)
     name_ok = name == expected["name"]
     args_ok, values_ok = arguments_match(parsed, expected["arguments"], required)
     return CallScore(turn, index, expected, name, arguments, name_ok, name_ok and args_ok,
