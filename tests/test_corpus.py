@@ -398,3 +398,40 @@ def test_a_scripted_run_that_fails_once_is_run_again_and_one_that_fails_twice_st
     fails["left"] = 2
     with pytest.raises(CorpusError):
         build._run_scripted_twice(task)
+
+
+def _schema_words(tools: list[dict]) -> set[str]:
+    """Every tool name, parameter name (nested ones too) and enum value of `tools`."""
+    out = set()
+
+    def walk(props: dict):
+        for pname, p in props.items():
+            out.add(pname)
+            out.update(p.get("enum", p.get("items", {}).get("enum", [])))
+            walk(p.get("properties", {}))
+    for tool in tools:
+        out.add(tool["function"]["name"])
+        walk(tool["function"]["parameters"]["properties"])
+    return out
+
+
+def test_fresh_schemas_are_new_to_every_catalogue_and_leave_the_other_tasks_as_they_were():
+    held = set().union(*(_schema_words([s.tool()]) for s in catalogue(True)))
+    trained = set().union(*(_schema_words([s.tool()]) for s in catalogue(False)))
+    fresh = make_tasks(6, "train", {"function-calling": 40}, fresh_share=1.0)
+    plain = make_tasks(6, "train", {"function-calling": 40})
+    words = set()
+    for task in fresh:
+        made = [t for t in task.inputs["tools"] if t["function"]["name"] not in {s.name for s in catalogue(False)}]
+        assert made  # at least one tool of every task is made up for it
+        words |= _schema_words(made)
+        run_scripted(task)  # its calls validate and its loop renders as the program writes it
+    assert len(words) > 200
+    assert not words & held and not words & trained  # no held-out name or value; nothing learnt by heart
+    # a share: the tasks not drawn fresh are the tasks drawn without fresh schemas, input for input
+    half = make_tasks(6, "train", {"function-calling": 40}, fresh_share=0.5)
+    same = [a.inputs == b.inputs for a, b in zip(half, plain)]
+    assert 10 < sum(same) < 30
+    assert all(a.inputs == b.inputs for a, b, s in zip(half, fresh, same) if not s)
+    with pytest.raises(ValueError, match="train split only"):
+        make_tasks(6, "heldout", {"function-calling": 1}, fresh_share=0.5)

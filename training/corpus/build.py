@@ -52,17 +52,27 @@ class CorpusError(RuntimeError):
     """A scripted run did not end as its task expects."""
 
 
-def make_tasks(seed: int, split: str, counts: dict[str, int]) -> list[Task]:
+def make_tasks(seed: int, split: str, counts: dict[str, int], fresh_share: float = 0.0) -> list[Task]:
     """`counts[kind]` tasks of each kind for `split` (see `common.SPLITS`): ``"heldout"`` draws only
     held-out templates; ``"train"`` and ``"in-template"`` only training templates, each from its
-    own seed stream. Deterministic from (seed, split, kind, index)."""
+    own seed stream. Deterministic from (seed, split, kind, index). ``fresh_share`` (the
+    ``"train"`` split only): the share of function-calling tasks over fresh schemas
+    (`schemas.fresh_schema`: tools, parameters and enum values made up for the task); the other
+    tasks are what they are without it."""
     heldout = check_split(split)
+    if fresh_share and split != "train":
+        raise ValueError(f"fresh schemas are drawn for the train split only, not {split!r}")
     tasks = []
     for kind, n in counts.items():
         if kind not in GENERATORS:
             raise ValueError(f"unknown task kind {kind!r}; kinds: {', '.join(GENERATORS)}")
         for i in range(n):
-            task = GENERATORS[kind](random.Random(f"{seed}:{split}:{kind}:{i}"), heldout, i)
+            rng = random.Random(f"{seed}:{split}:{kind}:{i}")
+            if kind == "function-calling" and fresh_share:
+                fresh = random.Random(f"{seed}:{split}:fresh:{i}").random() < fresh_share
+                task = GENERATORS[kind](rng, heldout, i, fresh=fresh)
+            else:
+                task = GENERATORS[kind](rng, heldout, i)
             if kind == "function-calling":
                 task.inputs["name"] = f"{split}-fc-{i}"
             tasks.append(task)
@@ -143,16 +153,16 @@ class Corpus:
     heldout: list[Task]
 
 
-def train_tasks(seed: int, scale: float, heldout: list[Task]) -> list[Task]:
+def train_tasks(seed: int, scale: float, heldout: list[Task], fresh_share: float = 0.0) -> list[Task]:
     """The training split: the mix scaled, minus any task equal to a held-out one."""
     held_keys = {prompt_key(t) for t in heldout}
-    return [t for t in make_tasks(seed, "train", {k: max(1, round(n * scale)) for k, n in TRAIN_MIX.items()})
-            if prompt_key(t) not in held_keys]
+    counts = {k: max(1, round(n * scale)) for k, n in TRAIN_MIX.items()}
+    return [t for t in make_tasks(seed, "train", counts, fresh_share) if prompt_key(t) not in held_keys]
 
 
-def build_corpus(seed: int = 0, scale: float = 1.0, log=print) -> Corpus:
+def build_corpus(seed: int = 0, scale: float = 1.0, log=print, fresh_share: float = 0.0) -> Corpus:
     heldout = make_tasks(seed, "heldout", HELDOUT)
-    train = train_tasks(seed, scale, heldout)
+    train = train_tasks(seed, scale, heldout, fresh_share)
     sessions = []
     for i, task in enumerate(train):
         sessions += [{"kind": task.kind, "text": t, "values": task.values} for t in _run_scripted_twice(task)]

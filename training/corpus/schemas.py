@@ -35,7 +35,7 @@ from cedar.backend.chat_template import system_text, tool_call_text
 from cedar.frontend.chat import message_text
 from cedar.frontend.tools import ToolRegistry
 
-from .common import WORDS, Task, call, code, held_word, name, side
+from .common import SYLLABLES, WORDS, Task, call, code, held_word, name, side
 
 N_TRAIN_SCHEMAS, N_HELD_SCHEMAS = 400, 120
 QUOTE_SHARE = 0.85  # share of string values a request writes in quotes (tokenized as in the call)
@@ -116,7 +116,10 @@ def _words(rng: random.Random, pool, heldout: bool, k: int) -> list[str]:
     return rng.sample(mine, k)
 
 
-def _param(rng: random.Random, pname: str, heldout: bool, depth: int = 0) -> Param:
+def _param(rng: random.Random, pname: str, heldout: bool, depth: int = 0, pick=None) -> Param:
+    """A parameter named `pname`; `pick(pool, k)` gives an enum's values and an object's field
+    names (default: k distinct words of `pool` on the split's side)."""
+    pick = pick or (lambda pool, k: _words(rng, pool, heldout, k))
     kind = rng.choices(KINDS if depth == 0 else KINDS[:4], KIND_WEIGHTS if depth == 0 else KIND_WEIGHTS[:4])[0]
     required = depth > 0 or rng.random() < 0.8
     if kind == "integer":
@@ -127,7 +130,7 @@ def _param(rng: random.Random, pname: str, heldout: bool, depth: int = 0) -> Par
         lo, hi = rng.choice((0, -100)), rng.choice((1, 10, 100, 1000, 10000))
         return Param(pname, kind, {"type": "number", "minimum": lo, "maximum": hi}, required)
     if kind == "enum":
-        return Param(pname, kind, {"type": "string", "enum": _words(rng, ENUM_WORDS, heldout, rng.randrange(2, 6))},
+        return Param(pname, kind, {"type": "string", "enum": pick(ENUM_WORDS, rng.randrange(2, 6))},
                      required)
     if kind == "string":
         return Param(pname, kind, {"type": "string", "maxLength": 32}, required, rng.choice(STRING_STYLES))
@@ -136,10 +139,10 @@ def _param(rng: random.Random, pname: str, heldout: bool, depth: int = 0) -> Par
             items = {"type": "integer", "minimum": 0, "maximum": rng.choice((99, 999, 9999))}
             style = "int"
         else:
-            items = {"type": "string", "enum": _words(rng, ENUM_WORDS, heldout, rng.randrange(3, 6))}
+            items = {"type": "string", "enum": pick(ENUM_WORDS, rng.randrange(3, 6))}
             style = "enum"
         return Param(pname, kind, {"type": "array", "items": items, "minItems": 1, "maxItems": 4}, required, style)
-    subs = [_param(rng, s, heldout, depth + 1) for s in _words(rng, PARAMS, heldout, 2)]
+    subs = [_param(rng, s, heldout, depth + 1, pick) for s in pick(PARAMS, 2)]
     schema = {"type": "object", "properties": {s.name: s.schema for s in subs}, "required": [s.name for s in subs],
               "additionalProperties": False}
     return Param(pname, kind, schema, required, json.dumps([[s.name, s.kind, s.style] for s in subs]))
@@ -157,10 +160,47 @@ def catalogue(heldout: bool) -> tuple[Schema, ...]:
         if tname in out or held_word(tname) != heldout:
             continue
         params = tuple(_param(rng, p, heldout) for p in _words(rng, PARAMS, heldout, rng.randrange(1, 5)))
-        if not any(p.required for p in params):
-            params = (Param(params[0].name, params[0].kind, params[0].schema, True, params[0].style), *params[1:])
-        out[tname] = Schema(tname, verb, noun, params)
+        out[tname] = Schema(tname, verb, noun, _one_required(params))
     return tuple(out.values())
+
+
+def _one_required(params: tuple[Param, ...]) -> tuple[Param, ...]:
+    if any(p.required for p in params):
+        return params
+    return (Param(params[0].name, params[0].kind, params[0].schema, True, params[0].style), *params[1:])
+
+
+# NOTE: no word of a catalogue's pools, so a fresh schema can never name a held-out tool, parameter or enum value
+NONCE_AVOID = frozenset((*PARAMS, *ENUM_WORDS, *FC_NOUNS, *FC_VERBS))
+
+
+def nonce_word(rng: random.Random, used: set[str], join: bool = False) -> str:
+    """A made-up lowercase word for a fresh schema (2-3 syllables: "velmor", "zukaldra"; with
+    ``join``, a third of them joined to a training-side parameter name: "torsa_size"), on the
+    training side of `held_word`, in no catalogue pool, not in `used` (to which it is added)."""
+    train_params = [p for p in PARAMS if not held_word(p)]
+    while True:
+        w = "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3)))
+        if join and rng.random() < 1 / 3:
+            w = f"{w}_{rng.choice(train_params)}" if rng.random() < 0.5 else f"{rng.choice(train_params)}_{w}"
+        if w not in used and w not in NONCE_AVOID and not held_word(w):
+            used.add(w)
+            return w
+
+
+def fresh_schema(rng: random.Random, used: set[str]) -> Schema:
+    """A schema made for one training task: a catalogue verb, a made-up noun, made-up parameter
+    names, enum values and object fields (`nonce_word`), each new to the model. A task over such
+    tools can only be solved by reading which name the request gives which value, where the 400
+    training schemas' 68 parameter names can also be learnt by heart (held-out integers were right
+    19/44 times, in-template ones 44/65, drawn alike)."""
+    pick = lambda pool, k: [nonce_word(rng, used, join=pool is PARAMS) for _ in range(k)]  # noqa: E731
+    while True:
+        verb, noun = rng.choice(FC_VERBS), nonce_word(rng, used)
+        if not held_word(f"{verb}_{noun}"):
+            break
+    params = tuple(_param(rng, p, False, pick=pick) for p in pick(PARAMS, rng.randrange(1, 5)))
+    return Schema(f"{verb}_{noun}", verb, noun, _one_required(params))
 
 
 def _string(rng: random.Random, style: str) -> str:
@@ -300,10 +340,17 @@ def _turn_loop(turn: dict) -> str:
     return text
 
 
-def fc_task(rng: random.Random, heldout: bool = False, index: int = 0) -> Task:
+def fc_task(rng: random.Random, heldout: bool = False, index: int = 0, fresh: bool = False) -> Task:
     """A task over 2-5 schemas of the split's catalogue: 1-3 turns, each with 1-3 calls (or, after
-    the first, a turn answered without a tool), a result per call and the text that ends it."""
+    the first, a turn answered without a tool), a result per call and the text that ends it.
+    ``fresh`` (training tasks only): 1 to all of the tools are `fresh_schema`s instead."""
     tools = rng.sample(catalogue(heldout), rng.randrange(2, 6))
+    if fresh:
+        if heldout:
+            raise ValueError("fresh schemas are for training tasks")
+        used: set[str] = set()
+        for k in rng.sample(range(len(tools)), rng.randint(1, len(tools))):
+            tools[k] = fresh_schema(rng, used)
     frames, which, last = side(FRAMES, heldout), side(WHICH, heldout), side(LAST, heldout)
     thanks = side(THANKS, heldout)
     turns, answers, values, turn_reports = [], [], [], []
