@@ -27,7 +27,7 @@ from .config import CEDConfig
 from .key_source import CachedKeys, ExtendPlan, KeySource, WholeSequenceKeys, WindowKeys
 from .kv_codec import KVCodec
 from .layer import CEDLayer, Projections
-from .modules import RMSNorm, SwiGLU
+from .modules import LMHead, RMSNorm, SwiGLU
 from .rows import DecoderRows, RowBatch
 
 
@@ -46,7 +46,7 @@ class CEDModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(CEDLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.use_kernels(self.kernels)
 
     def use_kernels(self, kernels: KernelSet) -> "CEDModel":
@@ -54,7 +54,7 @@ class CEDModel(nn.Module):
         self.kernels, self.codec = kernels, KVCodec(kernels, self.codec.quantize)
         self.fast = getattr(kernels, "backend", None) == "fast"  # NOTE: norms and RoPE in C++ too
         for m in self.modules():
-            if isinstance(m, (RMSNorm, SwiGLU)):
+            if isinstance(m, (RMSNorm, SwiGLU, LMHead)):
                 m.fast = self.fast
         return self
 

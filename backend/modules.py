@@ -62,6 +62,22 @@ class SwiGLU(nn.Module):
         return linear(nn.functional.silu(linear(x, self.gate_proj, f)) * linear(x, self.up_proj, f), self.down_proj, f)
 
 
+class LMHead(nn.Linear):
+    """The output projection, hidden -> vocab logits (no bias). On the fast CPU backend's inference
+    path a decode step's few rows go through ``cedar_cpu::linear`` (the weight read once at the
+    memory's speed; MKL's few-row GEMM reads it at about half that here, `cedar bench linear`), as
+    every other projection does; more rows, training and other backends take ``nn.Linear``'s
+    path. SGLang's LogitsProcessor reaches the same forward (`served_model.HeadMethod`), so the
+    served logits are the reference's bits."""
+
+    fast = False  # NOTE: set by CEDModel on the fast CPU backend
+
+    def forward(self, x: Tensor) -> Tensor:  # (T, hidden) -> (T, vocab)
+        if x.dim() == 2 and x.shape[0] <= LINEAR_ROWS and inference_cpp(x, self.fast):
+            return torch.ops.cedar_cpu.linear(x.contiguous(), self.weight)
+        return super().forward(x)
+
+
 @dataclass(frozen=True)
 class Rope:
     """RoPE of a set of rows as tables, computed once per forward and reused by every layer:

@@ -622,3 +622,33 @@ def test_few_row_linear_is_the_matmul_and_does_not_depend_on_the_threads(rows, n
         assert torch.equal(one, two)
         assert rows == 0 or (one - want).abs().max().item() <= 1e-4
         assert torch.equal(torch.ops.cedar_cpu.linear(x.t().contiguous().t(), w), one)  # strided rows: the same
+
+
+@needs_ext
+def test_the_lm_head_reads_a_decode_steps_rows_natively_and_sglang_reaches_the_same_forward():
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.logits_processor import LogitsProcessor, should_apply_lm_head_quant_method
+
+    from cedar.backend.modules import LMHead
+    from cedar.backend.serving.served_model import HeadMethod
+
+    torch.manual_seed(0)
+    head = LMHead(64, 300, bias=False)
+    head.fast = True
+    few, many = torch.randn(3, 64), torch.randn(20, 64)
+    with torch.no_grad():
+        native = head(few)
+        assert torch.equal(native, torch.ops.cedar_cpu.linear(few, head.weight))  # the native few-row path
+        assert (native - torch.nn.functional.linear(few, head.weight)).abs().max() <= 1e-4
+        assert torch.equal(head(many), torch.nn.functional.linear(many, head.weight))  # many rows: at::linear
+        head.fast = False
+        assert torch.equal(head(few), torch.nn.functional.linear(few, head.weight))  # other backends: nn.Linear
+        head.fast = True
+    assert torch.equal(head(few), torch.nn.functional.linear(few, head.weight))  # autograd (training): nn.Linear
+    # SGLang's LogitsProcessor multiplies through the head's quant_method, i.e. the head's own forward
+    head.quant_method = HeadMethod()
+    assert should_apply_lm_head_quant_method(head, head.quant_method)
+    with torch.no_grad():
+        served = LogitsProcessor._compute_lm_head(SimpleNamespace(), few, head)
+    assert torch.equal(served, native)

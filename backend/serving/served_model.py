@@ -38,6 +38,21 @@ def flags_from_config(hf_config) -> ServingFlags:
     return ServingFlags(**{f.name: raw[f.name] for f in dataclasses.fields(ServingFlags) if f.name in raw})
 
 
+class HeadMethod:
+    """The LM head's ``quant_method``: how SGLang's LogitsProcessor multiplies by a head that
+    carries one (its extension point for heads that are not a plain matmul). It calls the head's
+    own forward (:class:`~cedar.backend.modules.LMHead`: a decode step's rows through
+    ``cedar_cpu::linear`` on the fast CPU backend), so the served logits are the reference's bits
+    and the head is read at the memory's speed rather than by ``torch.matmul``'s few-row GEMM."""
+
+    def apply(self, layer: nn.Module, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        out = layer(x)
+        return out if bias is None else out + bias
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:  # NOTE: SGLang's loader calls it
+        return None
+
+
 class CedarForCausalLM(nn.Module):
     start_layer = 0  # NOTE: SGLang sizes per-layer K/V from end - start: none for CED layers
     end_layer = 0
@@ -56,6 +71,7 @@ class CedarForCausalLM(nn.Module):
             cpu_ext.available()  # NOTE: load (or build) the C++ kernels now, not in the first request
         self.model = CEDModel(self.cfg, kernels=kernels, quantize=True)
         self.lm_head = self.model.lm_head
+        self.lm_head.quant_method = HeadMethod()
         self.logits_processor = LogitsProcessor(config)
         self.runtime = CedarRuntime(self.model, flags, self.device)
 
