@@ -187,9 +187,11 @@ def test_the_forward_step_is_written_once():
 def test_hooks_hang_nothing_on_sglang_objects():
     """The hook modules, the model class and the frontend write no attribute of an SGLang object
     except SGLang's own sampling seed fields (seed_hooks), a structure's schema (tool_call_hooks)
-    and the logits output's ``customized_info``: no side channel."""
+    and the logits output's ``customized_info``: no side channel. (The LM head's ``quant_method``
+    is set on Cedar's own head, ``modules.LMHead``: the attribute SGLang's LogitsProcessor reads.)"""
     allowed = {"info.sampling_seed", "self.sampling_seed", "other.sampling_seed", "structure.schema_",
-               "out.customized_info"}  # NOTE: SGLang's field for a model's per-request meta info
+               "out.customized_info",  # NOTE: SGLang's field for a model's per-request meta info
+               "self.lm_head.quant_method"}
     written = []
     hooks = [ROOT / "backend" / "serving" / f"{name}.py" for name in ("sglang_hooks", "tool_call_hooks", "seed_hooks")]
     # NOTE: in the model class and the frontend, ``self`` is Cedar's own object (a subclass at most)
