@@ -46,7 +46,7 @@ def linear(x: Tensor, layer: nn.Linear, fast: bool) -> Tensor:
     one-call C++ ops run, so the composition gives their bits."""
     if x.dim() == 2 and inference_cpp(x, fast):
         return torch.ops.cedar_cpu.linear(x, matmul_weight(layer.weight, x.shape[0]))
-    return layer(x)
+    return nn.functional.linear(x, layer.weight, layer.bias)  # NOTE: nn.Linear's forward (LMHead calls here)
 
 
 class SwiGLU(nn.Module):
@@ -64,18 +64,16 @@ class SwiGLU(nn.Module):
 
 class LMHead(nn.Linear):
     """The output projection, hidden -> vocab logits (no bias). On the fast CPU backend's inference
-    path a decode step's few rows go through ``cedar_cpu::linear`` (the weight read once at the
-    memory's speed; MKL's few-row GEMM reads it at about half that here, `cedar bench linear`), as
-    every other projection does; more rows, training and other backends take ``nn.Linear``'s
-    path. SGLang's LogitsProcessor reaches the same forward (`served_model.HeadMethod`), so the
+    path it multiplies through :func:`linear` as every other projection does (a decode step's few
+    rows by ``cedar_cpu::linear``, the weight read once at the memory's speed; MKL's few-row GEMM
+    reads it at about half that here, `cedar bench linear`); training and other backends take
+    ``nn.Linear``'s path. SGLang's LogitsProcessor reaches the same forward (`served_model.HeadMethod`), so the
     served logits are the reference's bits."""
 
     fast = False  # NOTE: set by CEDModel on the fast CPU backend
 
     def forward(self, x: Tensor) -> Tensor:  # (T, hidden) -> (T, vocab)
-        if x.dim() == 2 and x.shape[0] <= LINEAR_ROWS and inference_cpp(x, self.fast):
-            return torch.ops.cedar_cpu.linear(x.contiguous(), self.weight)
-        return super().forward(x)
+        return linear(x, self, self.fast)
 
 
 @dataclass(frozen=True)

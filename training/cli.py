@@ -144,7 +144,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
                "tokens_seen": tc.steps * tc.batch * tc.seq_len, "train_seconds": round(curve["seconds"], 1),
                "final_train_loss": float(np.mean([p["loss"] for p in curve["train"][-20:]])),
                "heldout": curve["heldout"][-1] if curve["heldout"] else None,
-               "fresh_schemas": args.fresh_schemas, "corpus_tokens": int(len(arrays["ids"])), "heldout_tokens": int(len(held["ids"])),
+               "fresh_schemas": args.fresh_schemas,
+               "corpus_tokens": int(len(arrays["ids"])), "heldout_tokens": int(len(held["ids"])),
                "probes": curve.get("probes", [])}
     if args.init:  # the run this one continued, with its own summary (and so on down the chain)
         earlier = Path(args.init) / "training.json"

@@ -67,12 +67,9 @@ def make_tasks(seed: int, split: str, counts: dict[str, int], fresh_share: float
         if kind not in GENERATORS:
             raise ValueError(f"unknown task kind {kind!r}; kinds: {', '.join(GENERATORS)}")
         for i in range(n):
-            rng = random.Random(f"{seed}:{split}:{kind}:{i}")
-            if kind == "function-calling" and fresh_share:
-                fresh = random.Random(f"{seed}:{split}:fresh:{i}").random() < fresh_share
-                task = GENERATORS[kind](rng, heldout, i, fresh=fresh)
-            else:
-                task = GENERATORS[kind](rng, heldout, i)
+            fresh = kind == "function-calling" and fresh_share > 0
+            extra = {"fresh": random.Random(f"{seed}:{split}:fresh:{i}").random() < fresh_share} if fresh else {}
+            task = GENERATORS[kind](random.Random(f"{seed}:{split}:{kind}:{i}"), heldout, i, **extra)
             if kind == "function-calling":
                 task.inputs["name"] = f"{split}-fc-{i}"
             tasks.append(task)

@@ -172,17 +172,17 @@ def _one_required(params: tuple[Param, ...]) -> tuple[Param, ...]:
 
 # NOTE: no word of a catalogue's pools, so a fresh schema can never name a held-out tool, parameter or enum value
 NONCE_AVOID = frozenset((*PARAMS, *ENUM_WORDS, *FC_NOUNS, *FC_VERBS))
+TRAIN_PARAMS = tuple(p for p in PARAMS if not held_word(p))
 
 
 def nonce_word(rng: random.Random, used: set[str], join: bool = False) -> str:
     """A made-up lowercase word for a fresh schema (2-3 syllables: "velmor", "zukaldra"; with
     ``join``, a third of them joined to a training-side parameter name: "torsa_size"), on the
     training side of `held_word`, in no catalogue pool, not in `used` (to which it is added)."""
-    train_params = [p for p in PARAMS if not held_word(p)]
     while True:
         w = "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3)))
         if join and rng.random() < 1 / 3:
-            w = f"{w}_{rng.choice(train_params)}" if rng.random() < 0.5 else f"{rng.choice(train_params)}_{w}"
+            w = f"{w}_{rng.choice(TRAIN_PARAMS)}" if rng.random() < 0.5 else f"{rng.choice(TRAIN_PARAMS)}_{w}"
         if w not in used and w not in NONCE_AVOID and not held_word(w):
             used.add(w)
             return w
@@ -343,11 +343,10 @@ def _turn_loop(turn: dict) -> str:
 def fc_task(rng: random.Random, heldout: bool = False, index: int = 0, fresh: bool = False) -> Task:
     """A task over 2-5 schemas of the split's catalogue: 1-3 turns, each with 1-3 calls (or, after
     the first, a turn answered without a tool), a result per call and the text that ends it.
-    ``fresh`` (training tasks only): 1 to all of the tools are `fresh_schema`s instead."""
+    ``fresh`` (training tasks only; `make_tasks` refuses it for another split): 1 to all of the
+    tools are `fresh_schema`s instead."""
     tools = rng.sample(catalogue(heldout), rng.randrange(2, 6))
     if fresh:
-        if heldout:
-            raise ValueError("fresh schemas are for training tasks")
         used: set[str] = set()
         for k in rng.sample(range(len(tools)), rng.randint(1, len(tools))):
             tools[k] = fresh_schema(rng, used)
