@@ -597,6 +597,26 @@ def test_a_decode_step_in_one_native_call_is_bit_identical_to_the_per_layer_path
     assert torch.equal(sa.enc_out, sb.enc_out) and torch.equal(sa.enc_pos, sb.enc_pos)
 
 
+
+@pytest.mark.parametrize("T", [0, 1, 5])
+def test_the_cuts_rows_are_those_of_the_concatenation_without_building_it(T):
+    """``rows_of_cut``: the decoder's rows of cat(this forward's rows, the kept encoder outputs),
+    read by two gathers; for any indices (own rows, kept rows, repeats, any order) the same
+    values as indexing the concatenation, and no row of the kept outputs is copied but those
+    asked for (the result is sized by the indices)."""
+    from cedar.backend.serving.pool_keys import rows_of_cut
+
+    g = torch.Generator().manual_seed(T)
+    h, enc_out = torch.randn(T, 16, generator=g), torch.randn(4 * 8, 16, generator=g)
+    for n in (0, 1, 7, 40):
+        src = torch.randint(0, T + enc_out.shape[0], (n,), generator=g)
+        got = rows_of_cut(h, enc_out, src)
+        assert got.shape == (n, 16) and torch.equal(got, torch.cat([h, enc_out])[src])
+    if T:  # one own row and one kept row, each exactly where it was
+        got = rows_of_cut(h, enc_out, torch.tensor([T - 1, T + 3]))
+        assert torch.equal(got[0], h[T - 1]) and torch.equal(got[1], enc_out[3])
+
+
 @needs_ext
 @pytest.mark.parametrize("rows", [0, 1, 3, 8, 9])
 @pytest.mark.parametrize("n, k", [(2, 256), (32, 64), (256, 256), (512, 256), (2048, 256), (7, 12)])

@@ -125,8 +125,9 @@ class Driver:
             self.rt.flags = flags
         self.rt.snapshots = snapshots
         fb, input_ids = self.prepare(batch)
-        for (req, _), p, info in zip(batch, fb.extend_prefix_lens_cpu, infos or [RequestInfo()] * len(batch)):
-            self.rt.note_request(req.slot, p, req.rid, info)
+        if not fb.forward_mode.is_decode():  # NOTE: as the init_new hook: facts for prefill chunks only
+            for (req, _), p, info in zip(batch, fb.extend_prefix_lens_cpu, infos or [RequestInfo()] * len(batch)):
+                self.rt.note_request(req.slot, p, req.rid, info)
         return self.rt.forward(input_ids, fb)
 
     def last_logits(self, out: StepOutput, batch: list[tuple[Req, int]]) -> torch.Tensor:

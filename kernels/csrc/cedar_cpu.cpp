@@ -1106,7 +1106,12 @@ at::Tensor decode_step(const at::Tensor& h_in, const std::vector<c10::optional<a
   at::Tensor codes = *SL(E, 0), scales = *SL(E, 1), ring_pos = *SL(E, 2);
   fp8_ring_store(kv.contiguous(), slots, pos, codes, scales, ring_pos);
   at::Tensor enc_out = S(13), enc_pos = S(16);
-  auto dec = at::cat({h, enc_out}).index({S(12)});  // read before this step's outputs are kept
+  // read before this step's outputs are kept: rows_of_cut (backend/serving/pool_keys.py), the
+  // rows S(12) of cat(h, enc_out) by two gathers (cat copied every slot's kept rows each step)
+  const auto& src = S(12);
+  const int64_t T = h.size(0);
+  const auto kept = enc_out.index({(src - T).clamp_min(0)});
+  auto dec = T == 0 ? kept : at::where(src.lt(T).unsqueeze(1), h.index({src.clamp_max(T - 1)}), kept);
   enc_out.index_put_({S(14)}, h.index({S(15)}));
   enc_pos.index_put_({S(14)}, pos.index({S(15)}));
   if (dec.size(0) == 0) return dec;
