@@ -597,7 +597,6 @@ def test_a_decode_step_in_one_native_call_is_bit_identical_to_the_per_layer_path
     assert torch.equal(sa.enc_out, sb.enc_out) and torch.equal(sa.enc_pos, sb.enc_pos)
 
 
-
 @pytest.mark.parametrize("T", [0, 1, 5])
 def test_the_cuts_rows_are_those_of_the_concatenation_without_building_it(T):
     """``rows_of_cut``: the decoder's rows of cat(this forward's rows, the kept encoder outputs),

@@ -34,7 +34,6 @@ from .planner import ServedForward
 from .pools import RequestSlots, TokenPools
 
 
-
 def rows_of_cut(h: Tensor, enc_out: Tensor, src: Tensor) -> Tensor:
     """The rows ``src`` of ``cat([h, enc_out])`` without building it: h (T, hidden) f32 this
     forward's layer-E inputs, enc_out (num_slots * W, hidden) f32 the kept ones, src (T',) int64
@@ -49,6 +48,7 @@ def rows_of_cut(h: Tensor, enc_out: Tensor, src: Tensor) -> Tensor:
     if T == 0:
         return kept
     return torch.where((src < T).unsqueeze(1), h[src.clamp_max(T - 1)], kept)
+
 
 class PoolKeys(KeySource):
     def __init__(self, cfg: CEDConfig, codec: KVCodec, pools: TokenPools, slots: RequestSlots,
