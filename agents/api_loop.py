@@ -12,7 +12,10 @@ Scoring (`score_loop`, on the transcript alone): a loop **ends on its own** when
 with a text answer (not empty, and not call markup the parser left in the text) before the limit;
 a task is **solved** when it ends on its own and in every turn the calls made are exactly the
 expected ones (the same multiset: names and values, an argument the tool does not require may
-be left out); **calls right** counts expected calls that were made.
+be left out); **calls right** counts expected calls that were made. A turn that hits the limit
+is counted as hit **after right calls** (every expected call was made right: the model kept
+calling after its results) or **after errors** (some expected call never was: its attempts got
+error results).
 """
 
 from __future__ import annotations
@@ -49,6 +52,10 @@ class LoopScore:
     calls_expected: int
     calls_right: int  # expected calls made (name and values)
     calls_made: int
+    # turns that hit the limit with every expected call made right (the model kept calling after
+    # its results), and with some expected call never made right (its calls got error results)
+    limit_after_right: int = 0
+    limit_after_error: int = 0
 
 
 def _match(call: dict, expected: list[dict], used: list[bool], required: dict[str, frozenset]) -> int | None:
@@ -68,7 +75,7 @@ def is_text_answer(answer: str | None) -> bool:
 def score_loop(turns: list[LoopTurn], required: dict[str, frozenset] | None = None) -> LoopScore:
     """Score one loop's transcript (see the module doc)."""
     required = required or {}
-    right = made = total = 0
+    right = made = total = after_right = after_error = 0
     exact_turns = True
     for t in turns:
         used = [False] * len(t.expected)
@@ -76,6 +83,9 @@ def score_loop(turns: list[LoopTurn], required: dict[str, frozenset] | None = No
             i = _match(c, t.expected, used, required)
             if i is not None:
                 used[i] = True
+        if t.hit_limit:
+            after_right += all(used)
+            after_error += not all(used)
         right += sum(used)
         made += len(t.calls)
         total += len(t.expected)
@@ -83,7 +93,7 @@ def score_loop(turns: list[LoopTurn], required: dict[str, frozenset] | None = No
     hit = any(t.hit_limit for t in turns)
     markup = any(t.answer and TOOL_CALL_BEGIN in t.answer for t in turns)
     ended = bool(turns) and not hit and all(is_text_answer(t.answer) for t in turns)
-    return LoopScore(ended, hit, markup, ended and exact_turns, total, right, made)
+    return LoopScore(ended, hit, markup, ended and exact_turns, total, right, made, after_right, after_error)
 
 
 def run_loop(client, model: str, task: dict, max_requests: int = MAX_REQUESTS) -> list[LoopTurn]:
@@ -151,6 +161,8 @@ def run_loops(base_url: str, model: str, tasks: list[dict], max_requests: int = 
             "markup_answers": sum(s.markup_answer for s in scores), "solved": sum(s.solved for s in scores),
             "calls_expected": sum(s.calls_expected for s in scores), "calls_right": sum(s.calls_right for s in scores),
             "calls_made": sum(s.calls_made for s in scores), "max_requests_per_turn": max_requests,
+            "turns_at_limit_after_right_calls": sum(s.limit_after_right for s in scores),
+            "turns_at_limit_after_errors": sum(s.limit_after_error for s in scores),
             "ended_share": round(sum(s.ended for s in scores) / n, 4) if n else 0.0,
             "solved_share": round(sum(s.solved for s in scores) / n, 4) if n else 0.0,
             "errors": errors, "examples": shown}

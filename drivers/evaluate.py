@@ -14,7 +14,8 @@ task has none). Per split:
 - **long-range recall**: the `recall` tasks with the token distance between value and answer;
 - **tool-call validity without constraints**: every turn with calls of the function-calling tasks
   through the OpenAI API with `tool_choice: "auto"` (earlier turns are the gold calls, results and
-  answers);
+  answers; a turn's calls may come one request at a time, each after the previous result, as a
+  client loop takes them), with why each call that is not valid is not;
 - **the OpenAI-API loop** (`api_loop`): the function-calling tasks as client loops; how many end
   on their own, hit the limit, are solved.
 
@@ -158,13 +159,61 @@ def run_tasks(backend, tasks: list[Task], tokenizer=None, log=print) -> dict:
     return evaluate_tasks(backend, tasks, tokenizer, log)["per_kind"]
 
 
+INVALID_REASONS = ("no call", "cut off", "unknown tool", "not JSON", "schema")
+
+
+def invalid_reason(message: str) -> str:
+    """Why `ToolRegistry.validate` refused a call, from its message: "unknown tool", "not JSON"
+    or "schema" (the arguments are a JSON object the tool's schema refuses)."""
+    if message.startswith("unknown tool"):
+        return "unknown tool"
+    if message.startswith("arguments are not JSON") or message.startswith("arguments must be"):
+        return "not JSON"
+    return "schema"
+
+
+def _turn_calls(client, model: str, messages: list[dict], tools: list[dict], turn: dict, budget) -> tuple:
+    """A calls-turn as a client runs it: ask; while the reply has tool calls and fewer than the
+    turn expects have come, answer each with the result of the expected call at its position and
+    ask again (at most one request per expected call). Returns (calls: the first len(expected)
+    made, in order; requests; whether all came in the first reply; whether the turn stopped on
+    a reply cut off by max_tokens with no calls parsed from it)."""
+    expected, results = turn["expected"], turn.get("results") or []
+    convo, got, requests, cut = list(messages), [], 0, False
+    while len(got) < len(expected) and requests < len(expected):
+        out = client.chat.completions.create(model=model, messages=convo, tools=tools, tool_choice="auto",
+                                             temperature=0, max_tokens=budget(expected[len(got):]))
+        requests += 1
+        msg = out.choices[0].message
+        new = list(msg.tool_calls or [])
+        if not new:
+            cut = out.choices[0].finish_reason == "length"
+            break
+        convo.append({"role": "assistant", "content": None, "tool_calls": [
+            {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+            for c in new]})
+        for c in new:
+            k = len(got)
+            got.append(c)
+            convo.append({"role": "tool", "tool_call_id": c.id, "content": results[k] if k < len(results) else "ok"})
+    return got[:len(expected)], requests, requests == 1 and len(got) >= len(expected), cut
+
+
 def unconstrained_calls(base_url: str, model: str, tasks: list[Task]) -> dict:
-    """Tool-call validity of free generation (`tool_choice: auto`) on function-calling tasks."""
+    """Tool calls of free generation (`tool_choice: auto`) on the function-calling tasks' turns,
+    earlier turns being the gold calls, results and answers. A turn runs as a client runs it
+    (`_turn_calls`): a model that makes a turn's calls one request at a time, each after the
+    previous one's result, is not short of calls. Per expected call: made or not, valid (parses
+    and validates against its schema), right (valid, the expected name and values, in order);
+    `valid_of_made` is the share of calls made that are valid; `invalid` says why each expected
+    call is not valid (no call made, a reply cut off by max_tokens, unknown tool, arguments not
+    JSON, refused by the schema)."""
     from openai import OpenAI
 
     client = OpenAI(base_url=base_url.rstrip("/") + "/v1", api_key="none")
-    calls = valid = right = turns_ok = turns = 0
+    calls = made = valid = right = turns_ok = turns = one_reply = requests = 0
     examples, errors = [], []
+    invalid = {reason: 0 for reason in INVALID_REASONS}
     for task in tasks:
         if task.agent != "function-calling":
             continue
@@ -173,16 +222,20 @@ def unconstrained_calls(base_url: str, model: str, tasks: list[Task]) -> dict:
             registry = ToolRegistry.from_openai(t["tools"])
             tools = registry.openai_tools()
             messages = ([{"role": "system", "content": t["system"]}] if t.get("system") else [])
+
+            def budget(pending: list[dict]) -> int:
+                return sum(registry[c["name"]].max_tokens + 16 for c in pending)
+
             for turn in t["turns"]:
                 messages.append({"role": "user", "content": turn["user"]})
                 if not turn["expected"]:  # a turn answered without a tool: no call to check
                     messages.append({"role": "assistant", "content": turn.get("answer") or ""})
                     continue
-                budget = sum(registry[c["name"]].max_tokens + 16 for c in turn["expected"])
-                out = client.chat.completions.create(model=model, messages=messages, tools=tools, tool_choice="auto",
-                                                     temperature=0, max_tokens=budget)
-                got = out.choices[0].message.tool_calls or []
+                got, n, at_once, cut = _turn_calls(client, model, messages, tools, turn, budget)
                 turns += 1
+                requests += n
+                one_reply += at_once
+                made += len(got)
                 ok_turn = len(got) == len(turn["expected"])
                 for k, exp in enumerate(turn["expected"]):
                     calls += 1
@@ -190,16 +243,18 @@ def unconstrained_calls(base_url: str, model: str, tasks: list[Task]) -> dict:
                     try:
                         args = registry.validate(g.function.name, g.function.arguments) if g else None
                         valid += args is not None
+                        if g is None:
+                            invalid["cut off" if cut and k == len(got) else "no call"] += 1
                         hit = args is not None and g.function.name == exp["name"] and \
                             same_json(json.loads(g.function.arguments), exp["arguments"])
-                    except ValueError:
+                    except ValueError as e:
+                        invalid[invalid_reason(str(e))] += 1
                         hit = False
                     right += hit
                     ok_turn = ok_turn and hit
                     if not hit and len(examples) < 5:
                         examples.append({"expected": exp, "got": None if g is None else
-                                         {"name": g.function.name, "arguments": g.function.arguments},
-                                         "content": out.choices[0].message.content})
+                                         {"name": g.function.name, "arguments": g.function.arguments}})
                 turns_ok += ok_turn
                 messages.append({"role": "assistant", "content": None, "tool_calls": [
                     {"id": f"call_{i}", "type": "function",
@@ -211,6 +266,8 @@ def unconstrained_calls(base_url: str, model: str, tasks: list[Task]) -> dict:
                     messages.append({"role": "assistant", "content": turn["answer"]})
         except Exception as e:  # noqa: BLE001 - a task the server refused is an error for that task
             errors.append({"name": task.inputs.get("name"), "reason": repr(e)[:300]})
-    return {"calls": calls, "valid": valid, "right": right, "valid_share": round(valid / calls, 4) if calls else 0.0,
-            "right_share": round(right / calls, 4) if calls else 0.0, "turns": turns, "turns_right": turns_ok,
-            "errors": errors, "examples": examples}
+    share = (lambda a, b: round(a / b, 4) if b else 0.0)
+    return {"calls": calls, "made": made, "valid": valid, "right": right, "valid_share": share(valid, calls),
+            "valid_of_made": share(valid, made), "right_share": share(right, calls), "turns": turns,
+            "turns_right": turns_ok, "turns_in_one_reply": one_reply, "requests": requests,
+            "invalid": invalid, "errors": errors, "examples": examples}

@@ -18,6 +18,18 @@ def pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
+def made_text(u: dict) -> str:
+    """The unconstrained calls made (a turn's calls may come one request at a time) and why the
+    rest are not valid; empty for an evaluation written before these were counted."""
+    if "made" not in u:
+        return ""
+    why = ", ".join(f"{n} {reason}" for reason, n in u["invalid"].items() if n)
+    return (f" A turn runs as a client loop runs it (its calls may come one request at a time): "
+            f"{u['made']} calls made, {pct(u['valid_of_made'])} of them valid; "
+            f"{u['turns_in_one_reply']}/{u['turns']} turns made all their calls in one reply"
+            + (f"; not valid: {why}" if why else "") + ".")
+
+
 def gold_recall_distances(model_dir: Path, n: int) -> dict:
     """Token distance from the value's first appearance to the answer, in the scripted sessions."""
     from tokenizers import Tokenizer
@@ -250,7 +262,7 @@ and in-template splits are scored apart:
   {gold['over']}/{gold['n']} of them more than 4W = 512 tokens back.
 - Tool calls **without constraints** (OpenAI API, `tool_choice: auto`, every turn of the held-out
   function-calling tasks): {u['valid']}/{u['calls']} valid ({pct(u['valid_share'])}: parsed by Cedar's tool-call
-  parser and valid against the schema), {u['right']}/{u['calls']} exactly right ({pct(u['right_share'])}).
+  parser and valid against the schema), {u['right']}/{u['calls']} exactly right ({pct(u['right_share'])}).{made_text(u)}
 
 ## Fidelity of bounded replay (`cedar fidelity`)
 

@@ -80,6 +80,10 @@ def test_loop_scoring_right_run_and_wrong_runs():
     limit = score_loop([LoopTurn("u", EXPECTED, [call("Oslo", unit="celsius")] * 6, None, 6, hit_limit=True)],
                        REQUIRED)
     assert limit.hit_limit and not limit.ended and not limit.solved and limit.calls_right == 1
+    assert (limit.limit_after_right, limit.limit_after_error) == (1, 0)  # it kept calling after its result
+    retries = score_loop([LoopTurn("u", EXPECTED, [call("Paristory")] * 6, None, 6, hit_limit=True)], REQUIRED)
+    assert (retries.limit_after_right, retries.limit_after_error) == (0, 1)  # every attempt got an error
+    assert (right.limit_after_right, right.limit_after_error) == (0, 0)
     wrong_value = score_loop([LoopTurn("u", EXPECTED, [call("Paristory", unit="celsius")], "done", 2)], REQUIRED)
     assert wrong_value.ended and not wrong_value.solved and wrong_value.calls_right == 0
     extra = score_loop([LoopTurn("u", EXPECTED, [call("Lima"), call("Oslo")], "4 C", 3)], REQUIRED)
@@ -96,6 +100,78 @@ def merged_backend(tasks: list[Task]) -> ScriptedBackend:
     for t in tasks:
         script.update(t.script)
     return ScriptedBackend(script)
+
+
+def test_a_refused_free_form_call_is_counted_under_the_registrys_reason():
+    from cedar.drivers.evaluate import invalid_reason
+    from cedar.frontend.tools import ToolRegistry
+
+    registry = ToolRegistry.from_openai([{"type": "function", "function": {
+        "name": "get_weather", "description": "weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}])
+
+    def why(name, arguments):
+        with pytest.raises(ValueError) as e:
+            registry.validate(name, arguments)
+        return invalid_reason(str(e.value))
+
+    assert why("get_wether", '{"city": "Oslo"}') == "unknown tool"
+    assert why("get_weather", '{"city": "Oslo"') == "not JSON"
+    assert why("get_weather", '["Oslo"]') == "not JSON"
+    assert why("get_weather", '{"town": "Oslo"}') == "schema"
+    assert why("get_weather", '{"city": 3}') == "schema"
+    assert registry.validate("get_weather", '{"city": "Oslo"}') == {"city": "Oslo"}
+
+
+class ScriptedClient:
+    """A stand-in for the `openai` client's chat.completions.create (bookkeeping only): it
+    replies from a script, each reply (tool calls as (name, arguments) pairs, finish reason), and
+    keeps the conversations it was sent."""
+
+    def __init__(self, replies):
+        from types import SimpleNamespace as NS
+
+        self.sent, self.replies = [], list(replies)
+        self.chat = NS(completions=NS(create=self.create))
+
+    def create(self, *, messages, max_tokens, **_):
+        from types import SimpleNamespace as NS
+
+        self.sent.append((list(messages), max_tokens))
+        calls, finish = self.replies.pop(0)
+        tool_calls = [NS(id=f"r{len(self.sent)}_{i}", function=NS(name=n, arguments=a)) for i, (n, a) in enumerate(calls)]
+        return NS(choices=[NS(message=NS(tool_calls=tool_calls or None, content=""), finish_reason=finish)])
+
+
+def test_a_turns_calls_may_come_one_request_at_a_time():
+    from cedar.drivers.evaluate import _turn_calls
+
+    turn = {"expected": [{"name": "a", "arguments": {}}, {"name": "b", "arguments": {}}, {"name": "c", "arguments": {}}],
+            "results": ["ra", "rb", "rc"]}
+    budget = (lambda pending: 10 * len(pending))
+    # all three in one reply
+    client = ScriptedClient([([("a", "{}"), ("b", "{}"), ("c", "{}")], "tool_calls")])
+    got, requests, at_once, cut = _turn_calls(client, "m", [{"role": "user", "content": "go"}], [], turn, budget)
+    assert [g.function.name for g in got] == ["a", "b", "c"] and requests == 1 and at_once and not cut
+    # one, then two: the second request carries the first call and the first expected result
+    client = ScriptedClient([([("a", "{}")], "tool_calls"), ([("b", "{}"), ("c", "{}")], "tool_calls")])
+    got, requests, at_once, cut = _turn_calls(client, "m", [{"role": "user", "content": "go"}], [], turn, budget)
+    assert [g.function.name for g in got] == ["a", "b", "c"] and requests == 2 and not at_once
+    second, max_tokens = client.sent[1]
+    assert [m["role"] for m in second] == ["user", "assistant", "tool"] and second[2]["content"] == "ra"
+    assert second[2]["tool_call_id"] == second[1]["tool_calls"][0]["id"] and max_tokens == 20
+    # one call, then a text answer: the turn is short of calls
+    client = ScriptedClient([([("a", "{}")], "tool_calls"), ([], "stop")])
+    got, requests, at_once, cut = _turn_calls(client, "m", [], [], turn, budget)
+    assert len(got) == 1 and requests == 2 and not at_once and not cut
+    # a reply cut off by max_tokens before its call parsed
+    client = ScriptedClient([([], "length")])
+    got, requests, at_once, cut = _turn_calls(client, "m", [], [], turn, budget)
+    assert got == [] and requests == 1 and cut
+    # never more requests than expected calls, never more calls than expected
+    client = ScriptedClient([([("a", "{}")], "tool_calls")] * 3 + [([("d", "{}")], "tool_calls")])
+    got, requests, _, _ = _turn_calls(client, "m", [], [], turn, budget)
+    assert requests == 3 and len(got) == 3 and len(client.replies) == 1
 
 
 def test_one_bad_task_does_not_stop_the_evaluation():

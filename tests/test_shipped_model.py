@@ -74,6 +74,7 @@ def test_the_shipped_model_writes_valid_tool_calls_without_constraints(shipped_s
     tasks = make_tasks(0, "heldout", {"function-calling": 4})
     out = unconstrained_calls(shipped_server.url, str(MODEL), tasks)
     assert out["calls"] >= 4 and out["valid"] >= 0.75 * out["calls"], out
+    assert sum(out["invalid"].values()) == out["calls"] - out["valid"], out  # every refused call has its reason
     wait_idle_and_check(shipped_server)
 
 
