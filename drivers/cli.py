@@ -375,20 +375,19 @@ def evaluate_table(report: dict) -> str:
         u = r.get("unconstrained_calls")
         if u:
             lines.append(f"unconstrained tool calls: {u['valid']}/{u['calls']} valid ({u['valid_share']:.1%}), "
-                         f"{u['right']}/{u['calls']} right ({u['right_share']:.1%})"
-                         + (f"; {u['made']} made, {u['valid_of_made']:.1%} of them valid; "
-                            f"{u['turns_in_one_reply']}/{u['turns']} turns in one reply" if "made" in u else ""))
-            if u.get("invalid") and any(u["invalid"].values()):
+                         f"{u['right']}/{u['calls']} right ({u['right_share']:.1%}); {u['made']} made, "
+                         f"{u['valid_of_made']:.1%} of them valid; {u['turns_in_one_reply']}/{u['turns']} turns "
+                         f"in one reply")
+            if any(u["invalid"].values()):
                 lines.append("  not valid: " + ", ".join(f"{why} {n}" for why, n in u["invalid"].items() if n))
         lp = r.get("api_loop")
         if lp:
             lines.append(f"OpenAI-API loops: {lp['ended']}/{lp['loops']} end on their own, "
                          f"{lp['hit_limit']} hit the limit "
                          f"of {lp['max_requests_per_turn']}, {lp['solved']} solved; calls right "
-                         f"{lp['calls_right']}/{lp['calls_expected']} ({lp['calls_made']} made)"
-                         + (f"; turns at the limit: {lp['turns_at_limit_after_right_calls']} after right calls, "
-                            f"{lp['turns_at_limit_after_errors']} after errors"
-                            if "turns_at_limit_after_errors" in lp else ""))
+                         f"{lp['calls_right']}/{lp['calls_expected']} ({lp['calls_made']} made); turns at the "
+                         f"limit: {lp['turns_at_limit_after_right_calls']} after right calls, "
+                         f"{lp['turns_at_limit_after_errors']} after errors")
         if r.get("errors"):
             lines.append(f"errors: {len(r['errors'])} tasks (see the JSON)")
     return "\n".join(lines)
