@@ -263,69 +263,6 @@ def test_training_loops_make_calls_one_at_a_time_and_stop_after_a_failed_call():
         assert all("loop" not in turn for turn in task.inputs["turns"])
 
 
-def test_a_mistaken_call_is_followed_by_its_recovery_and_carries_no_loss(tmp_path):
-    """Some training turns make a mistake and recover: the previous call made again after its
-    result (its error says so; then the next call, or the answer when every call is done), or a
-    call with one value wrong (its error names the value; then the call made right). The mistake's
-    assistant message carries no loss; the recovery carries the full loss; no error text is the
-    evaluation's own."""
-    from tokenizers import Tokenizer
-
-    from cedar.agents.api_loop import ERROR_RESULT
-    from cedar.training.corpus.schemas import loop_render
-    from cedar.training.trainer import UNTRAINED
-
-    tasks = make_tasks(3, "train", {"function-calling": 200})
-    seen = {"repeat": 0, "repeat_last": 0, "value": 0}
-    sessions = []
-    for task in tasks:
-        text, spans = loop_render(task.inputs)
-        assert text == run_scripted(task)[0]
-        assert ERROR_RESULT not in text and "unknown request" not in text
-        mistakes = [t for t in task.inputs["turns"] if (t.get("loop") or {}).get("mistake")]
-        assert len(spans) == len(mistakes)
-        for turn, (a, b) in zip(mistakes, spans):
-            m, calls = turn["loop"]["mistake"], turn["expected"]
-            wrong = tool_call_text(m["call"]["name"], json.dumps(m["call"]["arguments"]))
-            assert text[a:b] == f"<|assistant|>{wrong}<|end|>"
-            msgs = _turn_messages(text, turn)
-            at = 2 * m["at"]  # after each earlier call and its result
-            assert msgs[at] == ("assistant", wrong) and msgs[at + 1] == ("tool", m["error"]) and m["error"].startswith("error: ")
-            after = msgs[at + 2]
-            if m["call"] == calls[m["at"] - 1] and m["at"] >= 1:  # a repeat, after the call's own result
-                assert msgs[at - 1][0] == "tool" and msgs[at - 2] == ("assistant", wrong)
-                if m["at"] == len(calls):
-                    seen["repeat_last"] += 1
-                    assert after == ("assistant", turn["answer"]) and at + 3 == len(msgs)
-                else:
-                    seen["repeat"] += 1
-                    nxt = calls[m["at"]]
-                    assert after == ("assistant", tool_call_text(nxt["name"], json.dumps(nxt["arguments"])))
-            else:  # one value drawn anew; then the call made right
-                seen["value"] += 1
-                right = calls[m["at"]]
-                assert m["call"]["name"] == right["name"] and m["call"]["arguments"] != right["arguments"]
-                diff = [k for k in right["arguments"] if right["arguments"][k] != m["call"]["arguments"][k]]
-                assert len(diff) == 1 and diff[0] in m["error"]
-                assert after == ("assistant", tool_call_text(right["name"], json.dumps(right["arguments"])))
-        if spans and len(sessions) < 12:
-            sessions.append({"kind": task.kind, "text": text, "untrained": spans, "mistakes": mistakes})
-    assert min(seen.values()) >= 3, seen
-    build_tokenizer(tmp_path, 600, corpus=[s["text"] for s in sessions], markup_tokens=True)
-    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
-    for session in sessions:
-        w = tokenize_corpus([session], tmp_path)["weight"]
-        ids, offsets = encode_session(tok, session)
-        for turn, (a, b) in zip(session["mistakes"], session["untrained"]):
-            inside = [j for j, (lo, hi) in enumerate(offsets) if lo < b and hi > a]
-            assert inside and all(w[j] == UNTRAINED for j in inside)  # the mistake: no loss
-            rec = session["text"].index("<|assistant|>", session["text"].index("<|end|>", b)) + len("<|assistant|>")
-            after = [j for j, (lo, hi) in enumerate(offsets) if lo >= rec][:3]
-            assert after and all(w[j] >= 1 and w[j] != UNTRAINED for j in after)  # the recovery: full loss
-        plain = tokenize_corpus([{k: v for k, v in session.items() if k != "untrained"}], tmp_path)["weight"]
-        assert ((w == UNTRAINED) != (plain == UNTRAINED)).sum() > 0  # the spans are what masks it
-
-
 def test_a_call_that_breaks_its_schema_is_a_corpus_error():
     task = make_tasks(5, "train", {"function-calling": 1})[0]
     tools = {t["function"]["name"]: t["function"]["parameters"] for t in task.inputs["tools"]}

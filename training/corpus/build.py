@@ -14,8 +14,7 @@ results, and a text answer that ends each turn (`schemas.loop_text`).
 `tokenize_corpus` then cuts every session at the boundaries of its gens (a thought, a tool name,
 its arguments) and tokenizes the pieces apart, exactly as `CedarEndpoint` sends a session to the
 server (the context as text, each gen's output as its own tokens), marks assistant tokens for
-full loss weight, and a random value's first statement and a mistaken call (a session's
-``untrained`` spans, `schemas.loop_render`) for none.
+full loss weight, and a random value's first statement for none.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from cedar.frontend.calls import ConstrainedCallError
 from cedar.agents.outcome import outcome_ok
 from cedar.agents.runs import AGENTS
 from .common import check_split
-from .schemas import check_calls, loop_render, loop_text
+from .schemas import check_calls, loop_text
 from .scripted import ScriptedBackend
 from .tasks import GENERATORS, Task
 
@@ -163,10 +162,7 @@ def build_corpus(seed: int = 0, scale: float = 1.0, log=print, fresh_share: floa
     train = train_tasks(seed, scale, heldout, fresh_share)
     sessions = []
     for i, task in enumerate(train):
-        texts = _run_scripted_twice(task)
-        spans = loop_render(task.inputs)[1] if task.agent == "function-calling" else []
-        sessions += [{"kind": task.kind, "text": t, "values": task.values, **({"untrained": spans} if spans else {})}
-                     for t in texts]
+        sessions += [{"kind": task.kind, "text": t, "values": task.values} for t in _run_scripted_twice(task)]
         if log and (i + 1) % 500 == 0:
             log(f"[corpus] {i + 1}/{len(train)} scripted sessions")
     chars = sum(len(s["text"]) for s in sessions)
@@ -221,8 +217,7 @@ def tokenize_corpus(sessions: list[dict], tokenizer_dir: Path) -> dict[str, np.n
     0 = context (user, tool and system text, plain code: the trainer's small `context_weight`);
     UNTRAINED = no loss: the tokens of a random value's first statement (a session's ``values``,
     where the first occurrence is outside an assistant message): it is noise there, and only its
-    copies can be predicted; and every token touching a session's ``untrained`` (start, end)
-    character spans (a mistaken call: the model learns the recovery, not the mistake); VALUE_START = the first token of an assistant's copy of such a value
+    copies can be predicted; VALUE_START = the first token of an assistant's copy of such a value
     (an assistant token whose loss the trainer can weigh up: choosing which stated span to copy is
     the step a small model learns last, `cedar train --value-start-weight`)."""
     from tokenizers import Tokenizer
@@ -242,8 +237,6 @@ def tokenize_corpus(sessions: list[dict], tokenizer_dir: Path) -> dict[str, np.n
                 w[j] = 1
                 if t == end_id:
                     inside = False
-        for a, b in s.get("untrained", ()):
-            w[[j for j, (lo, hi) in enumerate(offsets) if lo < b and hi > a]] = UNTRAINED
         if s.get("values"):
             ends = np.asarray([b for _, b in offsets])
             for value in s["values"]:

@@ -21,12 +21,7 @@ Training tasks (not held-out ones) also vary how a turn's loop runs, in a turn's
 one call a request (each result before the next call), and a call whose first result is an
 error: after a transient error the same call once more (its result, or a second error), after a
 permanent one no retry; a call that stays failed ends the turn with a text answer that says so
-(an agent loop stops rather than repeating a call); and a **mistake** followed by its recovery: the
-previous call made again after its result (a repeat: the error says so, and the next call or the
-answer follows) or a call with one value wrong (the error names it, and the call made right
-follows). A mistaken call is context only: `loop_render` gives its span, which carries no loss, so
-the model learns to recover from a mistake, never to make one. Error texts are the training side's
-own (the evaluation's loops answer with a phrasing no training turn uses).
+(an agent loop stops rather than repeating a call). Error texts are the training side's own.
 """
 
 from __future__ import annotations
@@ -285,22 +280,14 @@ TRANSIENT_ERRORS = ("error: timeout after 30 s", "error: service busy, try again
                     "error: connection reset; retry the call")
 PERMANENT_ERRORS = ("error: {tool} is disabled for this account", "error: permission denied for {tool}",
                     "error: daily quota of {tool} used up", "error: {tool} is not offered in this region")
-REPEAT_ERRORS = ("error: {tool} already returned this result; do not repeat the call",
-                 "error: duplicate request, {tool} was answered above", "error: same call as before, ignored",
-                 "error: repeated call to {tool} with the same arguments")
-VALUE_ERRORS = ("error: no match for {param} {value}", "error: {param} {value} is not valid here",
-                "error: unknown {param}: {value}", "error: {param} {value} does not exist")
-SEQUENTIAL_SHARE, FAILURE_SHARE, RETRY_OK_SHARE, MISTAKE_SHARE = 0.5, 0.2, 0.75, 0.2
+SEQUENTIAL_SHARE, FAILURE_SHARE, RETRY_OK_SHARE = 0.5, 0.2, 0.75
 
 
-def vary_loops(rng: random.Random, turns: list[dict], reports: list[list[str]],
-               schemas: dict[str, Schema] | None = None) -> None:
+def vary_loops(rng: random.Random, turns: list[dict], reports: list[list[str]]) -> None:
     """Give some of ``turns`` (each calls-turn with its calls' ``reports``) a ``loop``: one call a
     request (``sequential``, for turns of several calls) and/or a ``failure`` of one call
     (``{"call": k, "errors": [...], "retry": bool}``); a failure that stands rewrites the turn's
-    answer (the calls reported that ran, then the failure). A turn without a failure whose calls
-    come one a request (or that has one call) may get a ``mistake`` (`mistake_for`; value mistakes
-    need the task's ``schemas`` by name). Mutates ``turns``."""
+    answer (the calls reported that ran, then the failure). Mutates ``turns``."""
     for turn, reps in zip(turns, reports):
         calls = turn["expected"]
         if not calls:
@@ -318,34 +305,8 @@ def vary_loops(rng: random.Random, turns: list[dict], reports: list[list[str]],
             if stays_failed(loop["failure"]):  # the answer says so
                 done = reps[:k] if loop.get("sequential") else reps[:k] + reps[k + 1:]
                 turn["answer"] = " ".join(done + [f"The call to {tool} failed ({errors[-1][7:]})."])
-        if "failure" not in loop and (loop.get("sequential") or len(calls) == 1) and rng.random() < MISTAKE_SHARE:
-            loop["mistake"] = mistake_for(rng, calls, schemas or {})
         if loop:
             turn["loop"] = loop
-
-
-def mistake_for(rng: random.Random, calls: list[dict], schemas: dict[str, Schema]) -> dict:
-    """A mistaken call in a turn whose ``calls`` come one a request, and the error it gets:
-    ``{"at": k, "call": {"name", "arguments"}, "error": str}``, made just before call ``k`` (``k ==
-    len(calls)``: after the last result, before the answer). Half are a **repeat** of call ``k - 1``
-    after its result (k >= 1); the rest (when the tool has a parameter a second value can be drawn
-    for) call ``k`` with one argument's value drawn anew."""
-    k = rng.randrange(len(calls))
-    c = calls[k]
-    schema = schemas.get(c["name"])
-    params = [p for p in (schema.params if schema else ()) if p.name in c["arguments"]]
-    if params and rng.random() < 0.5:
-        p = rng.choice(params)
-        for _ in range(20):
-            wrong = sample_value(rng, p)
-            if wrong != c["arguments"][p.name]:
-                args = {**c["arguments"], p.name: wrong}
-                value = wrong if isinstance(wrong, str) else json.dumps(wrong)
-                error = rng.choice(VALUE_ERRORS).format(param=p.name, value=value)
-                return {"at": k, "call": {"name": c["name"], "arguments": args}, "error": error}
-    k = rng.randint(1, len(calls))
-    prev = calls[k - 1]
-    return {"at": k, "call": prev, "error": rng.choice(REPEAT_ERRORS).format(tool=prev["name"])}
 
 
 def stays_failed(failure: dict) -> bool:
@@ -354,10 +315,9 @@ def stays_failed(failure: dict) -> bool:
     return len(failure["errors"]) == 1 + failure["retry"]
 
 
-def _turn_loop(turn: dict) -> tuple[str, list[tuple[int, int]]]:
+def _turn_loop(turn: dict) -> str:
     """A calls-turn after its user message as an OpenAI-API loop renders it (``loop`` applied):
-    assistant messages of calls and their tool messages, up to the text answer (not included);
-    and the (start, end) characters of a mistaken call's assistant message in that text."""
+    assistant messages of calls and their tool messages, up to the text answer (not included)."""
     calls = [tool_call_text(c["name"], json.dumps(c["arguments"])) for c in turn["expected"]]
     results = turn.get("results") or []
     result = [results[k] if k < len(results) else "ok" for k in range(len(calls))]
@@ -370,27 +330,14 @@ def _turn_loop(turn: dict) -> tuple[str, list[tuple[int, int]]]:
             again = fail["errors"][-1] if stays else result[k]
             retry_text = message_text("assistant", calls[k]) + message_text("tool", again)
         result[k] = fail["errors"][0]
-    if not loop.get("sequential") and len(calls) > 1:
-        return (message_text("assistant", "".join(calls)) + "".join(message_text("tool", r) for r in result)
-                + retry_text, [])
-    mistake = loop.get("mistake") or {"at": -1}
-    text, spans = "", []
-
-    def make_mistake() -> str:
-        m = mistake["call"]
-        wrong = message_text("assistant", tool_call_text(m["name"], json.dumps(m["arguments"])))
-        spans.append((len(text), len(text) + len(wrong)))
-        return wrong + message_text("tool", mistake["error"])
-
+    if not loop.get("sequential"):
+        return message_text("assistant", "".join(calls)) + "".join(message_text("tool", r) for r in result) + retry_text
+    text = ""
     for j, (c, r) in enumerate(zip(calls, result)):
-        if j == mistake["at"]:
-            text += make_mistake()
         text += message_text("assistant", c) + message_text("tool", r) + (retry_text if j == k else "")
         if j == k and stays:  # NOTE: a call that stays failed ends the turn: no further call
-            return text, spans
-    if mistake["at"] == len(calls):
-        text += make_mistake()
-    return text, spans
+            break
+    return text
 
 
 def fc_task(rng: random.Random, heldout: bool = False, index: int = 0, fresh: bool = False) -> Task:
@@ -443,7 +390,7 @@ def fc_task(rng: random.Random, heldout: bool = False, index: int = 0, fresh: bo
         inputs["system"] = system
     values += [s.name for s in tools]
     if not heldout:  # NOTE: from a stream drawn last, so every other field is what it was without it
-        vary_loops(random.Random(rng.getrandbits(64)), turns, turn_reports, {s.name: s for s in tools})
+        vary_loops(random.Random(rng.getrandbits(64)), turns, turn_reports)
     first = turns[0]["expected"][0]["name"]
     return Task("function-calling", "function-calling", inputs, {(turns[0]["user"], None): answers},
                 {"calls": [c for t in turns for c in t["expected"]]}, f"function-calling/schema:{first}",
@@ -451,33 +398,24 @@ def fc_task(rng: random.Random, heldout: bool = False, index: int = 0, fresh: bo
 
 
 def loop_text(inputs: dict, answers: bool = True) -> str:
-    """`loop_render`'s text."""
-    return loop_render(inputs, answers)[0]
-
-
-def loop_render(inputs: dict, answers: bool = True) -> tuple[str, list[tuple[int, int]]]:
     """The task's conversation in the served markup: system (with the tools), then per turn the
     user message, one assistant message with the expected calls, one tool message per call
     (`results[k]` or "ok") and, with ``answers``, the turn's text answer (a message of its own
     after the results, or the assistant message itself when the turn has no calls). With
-    ``answers`` a turn's ``loop`` (one call a request, a failed call, a mistake) is rendered too;
-    without, the text is the constrained program's, which knows no loop. Also returns the
-    (start, end) characters of every mistaken call's assistant message (no loss in training)."""
+    ``answers`` a turn's ``loop`` (one call a request, a failed call) is rendered too; without,
+    the text is the constrained program's, which knows no loop."""
     registry = ToolRegistry.from_openai(inputs["tools"])
     text = message_text("system", system_text(inputs.get("system"), registry.openai_tools()))
-    spans: list[tuple[int, int]] = []
     for turn in inputs["turns"]:
         text += message_text("user", turn["user"])
         final = turn.get("answer") if answers else None
         if not turn["expected"]:
             text += message_text("assistant", final or "")
             continue
-        part, part_spans = _turn_loop(turn if answers else {k: v for k, v in turn.items() if k != "loop"})
-        spans += [(len(text) + a, len(text) + b) for a, b in part_spans]
-        text += part
+        text += _turn_loop(turn if answers else {k: v for k, v in turn.items() if k != "loop"})
         if final:
             text += message_text("assistant", final)
-    return text, spans
+    return text
 
 
 def check_calls(inputs: dict) -> None:
