@@ -279,8 +279,12 @@ def result_for(rng: random.Random) -> tuple[str, str]:
 TRANSIENT_ERRORS = ("error: timeout after 30 s", "error: service busy, try again", "error: 503 temporarily unavailable",
                     "error: connection reset; retry the call")
 PERMANENT_ERRORS = ("error: {tool} is disabled for this account", "error: permission denied for {tool}",
-                    "error: daily quota of {tool} used up", "error: {tool} is not offered in this region")
-SEQUENTIAL_SHARE, FAILURE_SHARE, RETRY_OK_SHARE = 0.5, 0.2, 0.75
+                    "error: daily quota of {tool} used up", "error: {tool} is not offered in this region",
+                    "error: {tool} refused the request", "error: invalid arguments for {tool}",
+                    "error: no such record", "error: the request could not be processed")
+# NOTE: an error is followed by the text answer three times in four (a permanent error); a model
+# that learns "after an error, call again" keeps calling until a loop's limit (docs: README, stages)
+SEQUENTIAL_SHARE, FAILURE_SHARE, RETRY_SHARE, RETRY_OK_SHARE = 0.5, 0.3, 0.25, 0.75
 
 
 def vary_loops(rng: random.Random, turns: list[dict], reports: list[list[str]]) -> None:
@@ -298,7 +302,7 @@ def vary_loops(rng: random.Random, turns: list[dict], reports: list[list[str]]) 
         if rng.random() < FAILURE_SHARE:
             k = rng.randrange(len(calls))
             tool = calls[k]["name"]
-            retry = rng.random() < 0.5
+            retry = rng.random() < RETRY_SHARE
             first = rng.choice(TRANSIENT_ERRORS if retry else PERMANENT_ERRORS).format(tool=tool)
             errors = [first] if not retry or rng.random() < RETRY_OK_SHARE else [first, rng.choice(TRANSIENT_ERRORS)]
             loop["failure"] = {"call": k, "errors": errors, "retry": retry}
