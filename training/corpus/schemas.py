@@ -283,7 +283,8 @@ PERMANENT_ERRORS = ("error: {tool} is disabled for this account", "error: permis
                     "error: {tool} refused the request", "error: invalid arguments for {tool}",
                     "error: no such record", "error: the request could not be processed")
 # NOTE: an error is followed by the text answer three times in four (a permanent error); a model
-# that learns "after an error, call again" keeps calling until a loop's limit (docs: README, stages)
+# that learns "after an error, call again" keeps calling until a loop's limit (the README's
+# --fresh-schemas paragraph)
 SEQUENTIAL_SHARE, FAILURE_SHARE, RETRY_SHARE, RETRY_OK_SHARE = 0.5, 0.3, 0.25, 0.75
 
 
