@@ -317,7 +317,7 @@ def test_copied_values_tokenize_as_where_they_are_stated():
 
 
 def test_a_random_values_first_statement_carries_no_loss(tmp_path):
-    from cedar.training.trainer import UNTRAINED, VALUE_START
+    from cedar.training.trainer import DECISION, UNTRAINED, VALUE_START
     from tokenizers import Tokenizer
 
     task = next(t for t in make_tasks(8, "train", {"function-calling": 10})
@@ -346,8 +346,8 @@ def test_a_random_values_first_statement_carries_no_loss(tmp_path):
                 assert all(w[j] == 1 for j in toks[1:])  # the rest of the copy: full loss
                 checked += 1
     assert checked
-    assert set(np.unique(plain["weight"])) <= {0, 1}  # without values nothing is UNTRAINED
-    assert (w == UNTRAINED).sum() > 0 and ((w == UNTRAINED) & (plain["weight"] == 1)).sum() == 0
+    assert set(np.unique(plain["weight"])) <= {0, 1, DECISION}  # without values nothing is UNTRAINED
+    assert (w == UNTRAINED).sum() > 0 and ((w == UNTRAINED) & (plain["weight"] > 0)).sum() == 0
     assert ((w == VALUE_START) & (plain["weight"] != 1)).sum() == 0  # only assistant tokens start copies
 
 
@@ -435,3 +435,32 @@ def test_fresh_schemas_are_new_to_every_catalogue_and_leave_the_other_tasks_as_t
     assert all(a.inputs == b.inputs for a, b, s in zip(half, fresh, same) if not s)
     with pytest.raises(ValueError, match="train split only"):
         make_tasks(6, "heldout", {"function-calling": 1}, fresh_share=0.5)
+
+
+def test_the_first_token_after_a_result_is_a_decision(tmp_path):
+    """In a function-calling session, the first token of every assistant message that follows a
+    tool message (another call, or the answer that ends the loop) is DECISION, and no other token
+    is; the rest of the message is a plain assistant token."""
+    from cedar.training.trainer import DECISION
+    from tokenizers import Tokenizer
+
+    tasks = make_tasks(9, "train", {"function-calling": 12})
+    sessions = [{"kind": t.kind, "text": run_scripted(t)[0]} for t in tasks]
+    build_tokenizer(tmp_path, 600, corpus=[s["text"] for s in sessions], markup_tokens=True)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    arrays = tokenize_corpus(sessions, tmp_path)
+    ids, w = arrays["ids"].tolist(), arrays["weight"]
+    tool, asst, end = (tok.token_to_id(x) for x in ("<|tool|>", "<|assistant|>", "<|end|>"))
+    markers = {tok.token_to_id(x) for x in ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")}
+    expected = set()
+    for a, b in zip(arrays["doc_start"][:-1].tolist(), arrays["doc_start"][1:].tolist()):
+        roles = [(j, t) for j, t in enumerate(ids[a:b], a) if t in markers]
+        for (_, prev), (j, t) in zip(roles, roles[1:]):
+            if t == asst and prev == tool and ids[j + 1] != end:
+                expected.add(j + 1)
+    found = set(np.flatnonzero(w == DECISION).tolist())
+    assert found == expected and len(found) >= 12
+    # both outcomes of the choice are trained: another call and a text answer
+    heads = {tok.decode([ids[j]], skip_special_tokens=False) for j in found}
+    assert any(h.startswith("<tool_call>") for h in heads) and any(not h.startswith("<") for h in heads)
+    assert all(w[j + 1] in (1, 3) for j in found)  # the rest of the message: assistant tokens

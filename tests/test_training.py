@@ -385,3 +385,22 @@ def test_exchange_spans_cut_each_copying_request_and_answer_out_of_its_session()
     rows = pack_pieces([(0, 5), (10, 13), (20, 30)], 16)
     assert sorted(p for r in rows for p in r) == [(0, 5), (10, 13), (20, 30)]
     assert all(sum(b - a + (b - a) % 2 for a, b in r) <= 16 for r in rows)
+
+
+def test_decision_tokens_are_weighed_by_decision_weight(small_corpus):
+    """A DECISION token weighs 1 by default (an assistant token) and ``decision_weight`` when set,
+    exactly as a VALUE_START token weighs ``value_start_weight``; the two weights are apart."""
+    from cedar.training.trainer import DECISION, VALUE_START, loss_of
+
+    fwd, ids, doc, w = _loss_case(small_corpus[1])
+    w[0, 50:60] = DECISION
+    as_value = w.clone()
+    as_value[0, 50:60] = VALUE_START
+    with torch.no_grad():
+        even, _ = loss_of(fwd, ids, doc, w, Plan(), TrainConfig(aux_weight=0.0))
+        plain, _ = loss_of(fwd, ids, doc, torch.ones_like(w), Plan(), TrainConfig(aux_weight=0.0))
+        other, _ = loss_of(fwd, ids, doc, w, Plan(), TrainConfig(aux_weight=0.0, value_start_weight=5.0))
+        up, _ = loss_of(fwd, ids, doc, w, Plan(), TrainConfig(aux_weight=0.0, decision_weight=5.0))
+        same, _ = loss_of(fwd, ids, doc, as_value, Plan(), TrainConfig(aux_weight=0.0, value_start_weight=5.0))
+    assert torch.isclose(even, plain) and torch.isclose(other, even)
+    assert not torch.isclose(up, even) and torch.isclose(up, same)

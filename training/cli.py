@@ -124,7 +124,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                      bf16=args.bf16, init=args.init or "", copy_share=args.copy_share,
                      recall_share=args.recall_share, context_weight=args.context_weight,
                      dense_share=args.dense_share, keyed_share=args.keyed_share, exchange_share=args.exchange_share,
-                     value_start_weight=args.value_start_weight)
+                     value_start_weight=args.value_start_weight, decision_weight=args.decision_weight)
     if args.export:  # the latest checkpoint as a model folder, no training
         from cedar.training.trainer import CHECKPOINT, init_model
 
@@ -186,6 +186,9 @@ def register(sub) -> None:
                         "their sessions (a short-context copy curriculum in the agent format)")
     p.add_argument("--value-start-weight", type=float, default=TrainConfig.value_start_weight,
                    help="loss weight of the first token of a copied value (the token that picks the span)")
+    p.add_argument("--decision-weight", type=float, default=TrainConfig.decision_weight,
+                   help="loss weight of an assistant message's first token after a tool message (the choice "
+                        "between another call and the text answer that ends the loop)")
     p.add_argument("--context-weight", type=float, default=TrainConfig.context_weight,
                    help="loss weight of tokens outside the assistant's turns (assistant tokens: 1)")
     p.add_argument("--dense-share", type=float, default=0.0,

@@ -29,6 +29,7 @@ from .probes import ProbeSuite
 CHECKPOINT = "checkpoint.pt"
 UNTRAINED = 2  # token weight: the token is input only (a copy row's first statement)
 VALUE_START = 3  # token weight: an assistant token that starts a copied value (``value_start_weight``)
+DECISION = 4  # token weight: an assistant message's first token after a tool message (``decision_weight``)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class TrainConfig:
     keyed_share: float = 0.0  # of the copy rows that are not recall rows, the share that are keyed rows
     exchange_share: float = 0.0  # chance that a step's first row packs value-copying exchanges (exchange_spans)
     value_start_weight: float = 1.0  # loss weight of a VALUE_START token (other assistant tokens: 1)
+    decision_weight: float = 1.0  # loss weight of a DECISION token: after a result, call again or answer
 
 
 def init_model(cfg: CEDConfig, seed: int) -> CEDModel:
@@ -290,14 +292,16 @@ def bf16_is_native() -> bool:
 def loss_of(forward: DenseForward, ids, doc, weight, plan: Plan, tc: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted next-token loss (and the plain mean over real tokens, for reporting). ``weight``:
     1 = assistant token, 0 = context (``tc.context_weight``), UNTRAINED = no loss at all,
-    VALUE_START = an assistant token weighted ``tc.value_start_weight``."""
+    VALUE_START = an assistant token weighted ``tc.value_start_weight``, DECISION = one weighted
+    ``tc.decision_weight``."""
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=tc.bf16):
         logits, aux = forward.run(ids, doc, plan)
     logits = logits.float()
     ce, valid = token_losses(logits, ids, doc)
     valid = valid & (weight[:, 1:] != UNTRAINED)
     target = weight[:, 1:]
-    w = torch.where(target == VALUE_START, tc.value_start_weight, torch.where(target > 0, 1.0, tc.context_weight)) * valid
+    w = torch.where(target > 0, 1.0, tc.context_weight)
+    w = torch.where(target == VALUE_START, tc.value_start_weight, torch.where(target == DECISION, tc.decision_weight, w)) * valid
     total = (ce * w).sum() / w.sum().clamp_min(1) + tc.aux_weight * aux
     return total, ((ce * valid).sum() / valid.sum().clamp_min(1)).detach()
 
@@ -312,7 +316,7 @@ def heldout_loss(model: CEDModel, arrays: dict, tc: TrainConfig, pad_id: int, ma
         ids, doc, w = make_batch(arrays, rows, list(range(i, min(i + tc.batch, len(rows)))), tc.seq_len, pad_id)
         logits, _ = fwd.run(ids, doc, Plan())
         ce, valid = token_losses(logits, ids, doc)
-        a = valid & ((w[:, 1:] == 1) | (w[:, 1:] == VALUE_START))  # assistant tokens (not UNTRAINED ones)
+        a = valid & (w[:, 1:] > 0) & (w[:, 1:] != UNTRAINED)  # assistant tokens
         tot, n = tot + float((ce * valid).sum()), n + float(valid.sum())
         ast, na = ast + float((ce * a).sum()), na + float(a.sum())
     return {"loss": tot / max(n, 1), "assistant_loss": ast / max(na, 1), "tokens": int(n)}

@@ -219,24 +219,33 @@ def tokenize_corpus(sessions: list[dict], tokenizer_dir: Path) -> dict[str, np.n
     where the first occurrence is outside an assistant message): it is noise there, and only its
     copies can be predicted; VALUE_START = the first token of an assistant's copy of such a value
     (an assistant token whose loss the trainer can weigh up: choosing which stated span to copy is
-    the step a small model learns last, `cedar train --value-start-weight`)."""
+    the step a small model learns last, `cedar train --value-start-weight`); DECISION = the first
+    token of an assistant message after a tool message (another call, or the text answer that ends
+    the loop: `cedar train --decision-weight`)."""
     from tokenizers import Tokenizer
 
-    from cedar.training.trainer import UNTRAINED, VALUE_START
+    from cedar.training.trainer import DECISION, UNTRAINED, VALUE_START
 
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     start_id, end_id = tok.token_to_id(ROLE_MARKERS["assistant"]), tok.token_to_id(END)
+    tool_id = tok.token_to_id(ROLE_MARKERS["tool"])
+    roles = {tok.token_to_id(m) for m in ROLE_MARKERS.values()}
     ids_all, weights, starts = [], [], [0]
     for s in sessions:
         ids, offsets = encode_session(tok, s)
-        w, inside = np.zeros(len(ids), np.uint8), False
+        w, inside, role, first = np.zeros(len(ids), np.uint8), False, None, False
         for j, t in enumerate(ids):
             if t == start_id:
-                inside = True
+                inside, first = True, role == tool_id and tool_id is not None
             elif inside:
-                w[j] = 1
+                # NOTE: after a result, the first token picks another call or the answer (an empty
+                # message's END stays 1: exchange_spans finds message ends by it)
+                w[j] = DECISION if first and t != end_id else 1
+                first = False
                 if t == end_id:
                     inside = False
+            if t in roles:
+                role = t
         if s.get("values"):
             ends = np.asarray([b for _, b in offsets])
             for value in s["values"]:
