@@ -15,11 +15,17 @@ expected ones (the same multiset: names and values, an argument the tool does no
 be left out); **calls right** counts expected calls that were made. A turn that hits the limit
 is counted as hit **after right calls** (every expected call was made right: the model kept
 calling after its results) or **after errors** (some expected call never was: its attempts got
-error results).
+error results). A turn that ends with a text answer after results worth reporting (a JSON object
+result: its values, the ``status`` field aside) **states its results** when the answer holds every
+such value as a whole value (`reported_values`): an answer such as "Done." after
+``{"status": "queued", "id": 4417}`` ends the loop without telling the user the id. Counted apart
+from ``solved``.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import asdict, dataclass, field
 
 from cedar.backend.chat_template import TOOL_CALL_BEGIN
@@ -41,6 +47,7 @@ class LoopTurn:
     answer: str | None = None  # the text reply that ended the turn; None if it never came
     requests: int = 0
     hit_limit: bool = False
+    results: list[str] = field(default_factory=list)  # the tool results it got for expected calls (no errors)
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,42 @@ class LoopScore:
     # its results), and with some expected call never made right (its calls got error results)
     limit_after_right: int = 0
     limit_after_error: int = 0
+    # turns that ended with a text answer after results worth reporting, and of them those whose
+    # answer states every value of those results (see `reported_values`)
+    answers_due: int = 0
+    answers_stating: int = 0
+
+
+def reported_values(result: str) -> list[str]:
+    """What an answer must state to report a tool result: every leaf value of a JSON object result
+    but its ``status`` field (numbers as JSON writes them, strings as they are); nothing for a
+    result that is not a JSON object ("ok", plain text)."""
+    try:
+        obj = json.loads(result)
+    except ValueError:
+        return []
+    if not isinstance(obj, dict):
+        return []
+    out: list[str] = []
+
+    def walk(x) -> None:
+        if isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+        elif x is not None and not isinstance(x, bool):
+            out.append(x if isinstance(x, str) else json.dumps(x))
+
+    walk({k: v for k, v in obj.items() if k != "status"})
+    return out
+
+
+def states(answer: str, value: str) -> bool:
+    """``value`` occurs in ``answer`` as a whole value (not inside a longer word or number)."""
+    before = r"(?<![0-9A-Za-z.\-])" if value[:1].isdigit() else r"(?<![0-9A-Za-z.])"  # 5 is not in -5
+    return re.search(before + re.escape(value) + r"(?![0-9A-Za-z]|\.[0-9])", answer) is not None
 
 
 def _match(call: dict, expected: list[dict], used: list[bool], required: dict[str, frozenset]) -> int | None:
@@ -75,9 +118,13 @@ def is_text_answer(answer: str | None) -> bool:
 def score_loop(turns: list[LoopTurn], required: dict[str, frozenset] | None = None) -> LoopScore:
     """Score one loop's transcript (see the module doc)."""
     required = required or {}
-    right = made = total = after_right = after_error = 0
+    right = made = total = after_right = after_error = due = stating = 0
     exact_turns = True
     for t in turns:
+        values = [v for r in t.results for v in reported_values(r)]
+        if values and is_text_answer(t.answer):
+            due += 1
+            stating += all(states(t.answer, v) for v in values)
         used = [False] * len(t.expected)
         for c in t.calls:
             i = _match(c, t.expected, used, required)
@@ -93,7 +140,8 @@ def score_loop(turns: list[LoopTurn], required: dict[str, frozenset] | None = No
     hit = any(t.hit_limit for t in turns)
     markup = any(t.answer and TOOL_CALL_BEGIN in t.answer for t in turns)
     ended = bool(turns) and not hit and all(is_text_answer(t.answer) for t in turns)
-    return LoopScore(ended, hit, markup, ended and exact_turns, total, right, made, after_right, after_error)
+    return LoopScore(ended, hit, markup, ended and exact_turns, total, right, made, after_right, after_error, due,
+                     stating)
 
 
 def run_loop(client, model: str, task: dict, max_requests: int = MAX_REQUESTS) -> list[LoopTurn]:
@@ -130,6 +178,8 @@ def run_loop(client, model: str, task: dict, max_requests: int = MAX_REQUESTS) -
                 if i is not None:
                     used[i] = True
                 content = (results[i] if i < len(results) else "ok") if i is not None else ERROR_RESULT
+                if i is not None:
+                    t.results.append(content)
                 messages.append({"role": "tool", "tool_call_id": f"call_{base + k}", "content": content})
         else:
             t.hit_limit = True
@@ -163,6 +213,8 @@ def run_loops(base_url: str, model: str, tasks: list[dict], max_requests: int = 
             "calls_made": sum(s.calls_made for s in scores), "max_requests_per_turn": max_requests,
             "turns_at_limit_after_right_calls": sum(s.limit_after_right for s in scores),
             "turns_at_limit_after_errors": sum(s.limit_after_error for s in scores),
+            "answers_after_results": sum(s.answers_due for s in scores),
+            "answers_stating_results": sum(s.answers_stating for s in scores),
             "ended_share": round(sum(s.ended for s in scores) / n, 4) if n else 0.0,
             "solved_share": round(sum(s.solved for s in scores) / n, 4) if n else 0.0,
             "errors": errors, "examples": shown}

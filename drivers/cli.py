@@ -388,6 +388,9 @@ def evaluate_table(report: dict) -> str:
                          f"{lp['calls_right']}/{lp['calls_expected']} ({lp['calls_made']} made); turns at the "
                          f"limit: {lp['turns_at_limit_after_right_calls']} after right calls, "
                          f"{lp['turns_at_limit_after_errors']} after errors")
+            if "answers_after_results" in lp:
+                lines.append(f"  answers that state their results: {lp['answers_stating_results']}/"
+                             f"{lp['answers_after_results']} (turns answered after results worth reporting)")
         if r.get("errors"):
             lines.append(f"errors: {len(r['errors'])} tasks (see the JSON)")
     return "\n".join(lines)

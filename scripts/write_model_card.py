@@ -131,6 +131,10 @@ def evaluation_tables(splits: dict) -> str:
     rows.append("| OpenAI-API loops: expected calls made | " + " | ".join(
         frac(r["api_loop"]["calls_right"], r["api_loop"]["calls_expected"]) if r.get("api_loop") else "-"
         for r in splits.values()) + " |")
+    if all("answers_after_results" in r.get("api_loop", {}) for r in splits.values()):
+        rows.append("| OpenAI-API loops: answers that state their results | " + " | ".join(
+            frac(r["api_loop"]["answers_stating_results"], r["api_loop"]["answers_after_results"])
+            for r in splits.values()) + " |")
     rows.append("| tasks in error | " + " | ".join(str(len(r.get("errors", []))) for r in splits.values()) + " |")
     notes = [f"- {name}: {r['note']}" for name, r in splits.items() if r.get("note")]
     return "\n".join([head, *rows] + ([""] + notes if notes else []))

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from cedar.agents.api_loop import LoopTurn, score_loop
+from cedar.agents.api_loop import ERROR_RESULT, LoopTurn, reported_values, run_loop, score_loop, states
 from cedar.training.corpus.build import make_tasks
 from cedar.training.corpus.scripted import ScriptedBackend
 from cedar.training.corpus.tasks import Task
@@ -93,6 +93,61 @@ def test_loop_scoring_right_run_and_wrong_runs():
     # a second turn without an answer spoils the loop
     two = score_loop([LoopTurn("u", EXPECTED, [call("Oslo")], "4 C", 2), LoopTurn("v", EXPECTED, [], "", 1)], REQUIRED)
     assert not two.ended and not two.solved
+
+
+def test_an_answer_states_its_results_only_with_every_value_whole():
+    assert reported_values('{"status": "queued", "id": 4417}') == ["4417"]
+    assert reported_values('{"result": -21.99}') == ["-21.99"]
+    assert reported_values('{"a": {"b": [1, "x"]}, "status": "ok"}') == ["1", "x"]
+    assert reported_values("ok") == [] and reported_values(ERROR_RESULT) == [] and reported_values("[1, 2]") == []
+    assert states("The result is -21.99.", "-21.99") and not states("The result is -21.99.", "21.99")
+    assert states("Done, the id is 4417.", "4417") and not states("Done, the id is 44170.", "4417")
+    assert not states("It is 4417.5 now", "4417") and states('Done, the reference is "Nain".', "Nain")
+    queued = ['{"status": "queued", "id": 4417}']
+
+    def turn(answer, results, hit=False):
+        return LoopTurn("u", EXPECTED, [call("Oslo")], answer, 2, hit_limit=hit, results=results)
+
+    said = score_loop([turn("Done, the id is 4417.", queued)], REQUIRED)
+    assert (said.answers_due, said.answers_stating) == (1, 1) and said.solved
+    vague = score_loop([turn("Done.", queued)], REQUIRED)
+    assert (vague.answers_due, vague.answers_stating) == (1, 0) and vague.solved  # counted apart from solved
+    wrong = score_loop([turn("Done, the id is 4471.", queued + ['{"result": 3.5}'])], REQUIRED)
+    assert (wrong.answers_due, wrong.answers_stating) == (1, 0)
+    half = score_loop([turn("The id is 4417.", queued + ['{"result": 3.5}'])], REQUIRED)
+    assert (half.answers_due, half.answers_stating) == (1, 0)  # every value of every result
+    for nothing in (turn("Done.", ["ok"]), turn(None, queued, hit=True), turn("Done.", [])):
+        assert (score_loop([nothing], REQUIRED).answers_due, score_loop([nothing], REQUIRED).answers_stating) == (0, 0)
+
+
+def test_a_loop_keeps_the_results_of_right_calls_only():
+    """`run_loop`'s bookkeeping (a scripted client: a wrong call, the right one, a text answer): the
+    turn keeps the result the right call got, not the error the wrong one got."""
+    from types import SimpleNamespace as NS
+
+    def reply(content=None, *calls):
+        tool_calls = [NS(function=NS(name="get_weather", arguments=a)) for a in calls] or None
+        return NS(choices=[NS(message=NS(content=content, tool_calls=tool_calls))])
+
+    replies = iter([reply(None, call("Lima")["arguments"]), reply(None, call("Oslo")["arguments"]),
+                    reply("It is 4 C, id 7.")])
+    sent = []
+
+    def create(**kw):
+        sent.append([m["content"] for m in kw["messages"] if m["role"] == "tool"])
+        return next(replies)
+
+    client = NS(chat=NS(completions=NS(create=create)))
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
+        "required": ["city"]}}}]
+    task = {"tools": tools, "turns": [{"user": "Weather in Oslo?", "expected": EXPECTED,
+                                       "results": ['{"temp": 4, "id": 7}']}]}
+    turns = run_loop(client, "m", task)
+    assert sent[-1] == [ERROR_RESULT, '{"temp": 4, "id": 7}']  # what the model was sent back
+    assert turns[0].results == ['{"temp": 4, "id": 7}'] and turns[0].answer == "It is 4 C, id 7."
+    sc = score_loop(turns, REQUIRED)
+    assert (sc.answers_due, sc.answers_stating, sc.calls_made, sc.calls_right) == (1, 1, 2, 1)
 
 
 def merged_backend(tasks: list[Task]) -> ScriptedBackend:
@@ -246,4 +301,6 @@ def test_cli_evaluate_writes_both_splits_and_the_api_loops(tiny_server, tmp_path
         turns = loops["examples"][0]["turns"]
         assert turns and all(1 <= t["requests"] <= 2 for t in turns)
         assert all(t["hit_limit"] == (t["answer"] is None) for t in turns)
-    assert "OpenAI-API loops:" in proc.stdout
+        assert all(len(t["results"]) <= len(t["calls"]) for t in turns)
+        assert 0 <= loops["answers_stating_results"] <= loops["answers_after_results"] <= len(turns)
+    assert "OpenAI-API loops:" in proc.stdout and "answers that state their results" in proc.stdout
