@@ -117,7 +117,8 @@ def test_an_answer_states_its_results_only_with_every_value_whole():
     half = score_loop([turn("The id is 4417.", queued + ['{"result": 3.5}'])], REQUIRED)
     assert (half.answers_due, half.answers_stating) == (1, 0)  # every value of every result
     for nothing in (turn("Done.", ["ok"]), turn(None, queued, hit=True), turn("Done.", [])):
-        assert (score_loop([nothing], REQUIRED).answers_due, score_loop([nothing], REQUIRED).answers_stating) == (0, 0)
+        sc = score_loop([nothing], REQUIRED)
+        assert (sc.answers_due, sc.answers_stating) == (0, 0)
 
 
 def test_a_loop_keeps_the_results_of_right_calls_only():
