@@ -464,3 +464,42 @@ def test_the_first_token_after_a_result_is_a_decision(tmp_path):
     heads = {tok.decode([ids[j]], skip_special_tokens=False) for j in found}
     assert any(h.startswith("<tool_call>") for h in heads) and any(not h.startswith("<") for h in heads)
     assert all(w[j + 1] in (1, 3) for j in found)  # the rest of the message: assistant tokens
+
+
+def test_an_answer_that_reports_a_result_copies_it_as_a_call_copies_a_value(tmp_path):
+    """A tool result's values (an id, a number, a reference; not its status) are among the task's
+    random values: their statement in the tool message carries no loss and the answer's copy
+    starts with a VALUE_START token, as a call's copy of a requested value does."""
+    from cedar.agents.api_loop import reported_values, whole_value
+    from cedar.training.trainer import UNTRAINED, VALUE_START
+    from tokenizers import Tokenizer
+
+    tasks = make_tasks(10, "train", {"function-calling": 12})
+    sessions = [{"kind": t.kind, "text": run_scripted(t)[0], "values": t.values} for t in tasks]
+    build_tokenizer(tmp_path, 600, corpus=[s["text"] for s in sessions], markup_tokens=True)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    checked = 0
+    for task, session in zip(tasks, sessions):
+        text = session["text"]
+        w = tokenize_corpus([session], tmp_path)["weight"]
+        _, offsets = encode_session(tok, session)
+        for turn in task.inputs["turns"]:
+            for result in turn["results"]:
+                values = reported_values(result)
+                assert all(v in task.values for v in values)
+                assert "ok" not in values and all(v not in ("queued", "done", "accepted") for v in values)
+                if f"<|tool|>{result}" not in text:
+                    continue  # the call failed: its result never came
+                for v in values:
+                    said = text.index(f"<|tool|>{result}") + len("<|tool|>") + whole_value(v).search(result).start()
+                    if said != value_at(text, v):
+                        continue  # the value was stated before (a request's value, by chance)
+                    toks = [j for j, (a, b) in enumerate(offsets) if a < said + len(v) and b > said]
+                    assert toks and all(w[j] == UNTRAINED for j in toks)
+                    copy = value_at(text, v, text.index(turn["answer"]))
+                    if copy < 0:
+                        continue  # the turn's answer reports a failure instead
+                    j = next(j for j, (a, b) in enumerate(offsets) if b > copy)
+                    assert w[j] == VALUE_START
+                    checked += 1
+    assert checked >= 6

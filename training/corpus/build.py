@@ -33,6 +33,7 @@ from cedar.backend.tokenizer import END, ROLE_MARKERS
 
 from cedar.frontend.calls import ConstrainedCallError
 
+from cedar.agents.api_loop import whole_value
 from cedar.agents.outcome import outcome_ok
 from cedar.agents.runs import AGENTS
 from .common import check_split
@@ -199,7 +200,7 @@ def encode_session(tok, session: dict) -> tuple[list[int], list[tuple[int, int]]
 def value_at(text: str, value: str, start: int = 0) -> int:
     """Where `value` first occurs in `text` from `start` as a whole value (not inside a longer
     word or number), or -1."""
-    m = re.compile(r"(?<![0-9A-Za-z.])" + re.escape(value) + r"(?![0-9A-Za-z])").search(text, start)
+    m = whole_value(value).search(text, start)
     return m.start() if m else -1
 
 

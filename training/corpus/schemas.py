@@ -31,6 +31,7 @@ import random
 from dataclasses import dataclass
 from functools import lru_cache
 
+from cedar.agents.api_loop import reported_values
 from cedar.backend.chat_template import system_text, tool_call_text
 from cedar.frontend.chat import message_text
 from cedar.frontend.tools import ToolRegistry
@@ -383,6 +384,7 @@ def fc_task(rng: random.Random, heldout: bool = False, index: int = 0, fresh: bo
             answers += call(schema.name, args)
             values += [v if isinstance(v, str) else json.dumps(v) for v in leaves(args)]
             res, report = result_for(rng)
+            values += reported_values(res)  # NOTE: the answer's copy of a result is trained as a call's value is
             results.append(res)
             reports.append(report)
         user = texts[0] + "".join(rng.choice(JOINS) + x for x in texts[1:])
