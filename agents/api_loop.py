@@ -25,13 +25,12 @@ from ``solved``.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass, field
 
 from cedar.backend.chat_template import TOOL_CALL_BEGIN
 from cedar.frontend.tools import ToolRegistry
 
-from .function_calling import arguments_match, parse_arguments, required_arguments
+from .function_calling import arguments_match, parse_arguments, required_arguments, whole_value
 
 MAX_REQUESTS = 6
 ERROR_RESULT = "error: this call failed (unknown request); check the tool and its arguments"
@@ -93,14 +92,6 @@ def reported_values(result: str) -> list[str]:
 
     walk({k: v for k, v in obj.items() if k != "status"})
     return out
-
-
-def whole_value(value: str) -> re.Pattern:
-    """A pattern for ``value`` as a whole value: not inside a longer word or number (5 is not in
-    -5, 15, 5.3 or x5; "ab" is not in "abc"). The corpus finds stated values with it too
-    (`cedar.training.corpus.build.value_at`)."""
-    before = r"(?<![0-9A-Za-z.\-])" if value[:1].isdigit() else r"(?<![0-9A-Za-z.])"
-    return re.compile(before + re.escape(value) + r"(?![0-9A-Za-z]|\.[0-9])")
 
 
 def states(answer: str, value: str) -> bool:

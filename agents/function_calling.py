@@ -24,8 +24,11 @@ bounds added), then one tool message per call (`results[k]`, or "ok").
 Scoring, per call: **name** right; **arguments** right when every expected value is there and
 equal (JSON equality: key order does not matter, 1 == 1.0) and nothing else is, except that an
 argument the tool does not require may be left out; **exact** when the arguments equal the
-expected ones as written; and per value (each expected argument). A task is right when all its
-calls are (arguments right), exact when all are exact.
+expected ones as written; and per value (each expected argument), with each value not right told
+apart (`value_misses`): left out, given as another value stated in the conversation before the
+call (a wrong span copied), or given as a value stated nowhere in it (made up); a wrong tool's
+values are all "wrong_tool". A task is right when all its calls are (arguments right), exact when
+all are exact.
 
 A bad task (not an object, no tools, a schema the runner refuses, a malformed turn, a JSONL line
 that is not JSON, a constrained gen the server refuses) is an error for that task, reported with
@@ -35,7 +38,8 @@ its index and reason in `errors`, counted among the tasks and not solved; the ot
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+import re
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import sglang as sgl
@@ -72,6 +76,7 @@ class CallScore:
     exact: bool = False  # the arguments equal the expected ones as written
     values: int = 0  # expected argument values
     values_ok: int = 0  # of them given and equal (under the right name)
+    misses: dict = field(default_factory=dict)  # the others by `MISSES` (`value_misses`; a wrong tool's: "wrong_tool")
 
     @property
     def ok(self) -> bool:
@@ -212,6 +217,54 @@ def arguments_match(got, expected: dict, required: frozenset | None = None) -> t
     return ok, values_ok
 
 
+MISSES = ("left_out", "stated_elsewhere", "stated_nowhere", "wrong_tool")
+
+
+def whole_value(value: str) -> re.Pattern:
+    """A pattern for ``value`` as a whole value: not inside a longer word or number (5 is not in
+    -5, 15, 5.3 or x5; "ab" is not in "abc"). The corpus finds stated values with it too
+    (`cedar.training.corpus.build.value_at`)."""
+    before = r"(?<![0-9A-Za-z.\-])" if value[:1].isdigit() else r"(?<![0-9A-Za-z.])"
+    return re.compile(before + re.escape(value) + r"(?![0-9A-Za-z]|\.[0-9])")
+
+
+def value_texts(value) -> list[str]:
+    """A JSON value's leaves as a conversation states them: strings as they are, numbers as JSON
+    writes them (an array's or object's leaves in order; none for an empty one)."""
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in value_texts(v)]
+    if isinstance(value, list):
+        return [x for v in value for x in value_texts(v)]
+    return [value if isinstance(value, str) else json.dumps(value)]
+
+
+def value_misses(got, expected: dict, context: str) -> dict[str, int]:
+    """The expected values a call's arguments (``got``, parsed) do not give right, by why:
+    "left_out" (no such argument), "stated_elsewhere" (the given value's every leaf is stated whole
+    in ``context``, the conversation before the call: another span copied), "stated_nowhere"
+    (some leaf is not: made up). Keys with no value are left out."""
+    out: dict[str, int] = {}
+    for (k, v), hit in zip(expected.items(), value_hits(got, expected)):
+        if hit:
+            continue
+        if not isinstance(got, dict) or k not in got:
+            why = "left_out"
+        else:
+            texts = value_texts(got[k])
+            why = "stated_elsewhere" if texts and all(whole_value(t).search(context) for t in texts) else "stated_nowhere"
+        out[why] = out.get(why, 0) + 1
+    return out
+
+
+def values_missed(calls: list[CallScore]) -> dict[str, int]:
+    """The expected values not right, summed over ``calls`` by `MISSES` (every key present)."""
+    out = dict.fromkeys(MISSES, 0)
+    for c in calls:
+        for why, n in c.misses.items():
+            out[why] += n
+    return out
+
+
 def value_kind(v) -> str:
     """A JSON value's kind as the scores break values down: bool, integer, number, string,
     array, object or null."""
@@ -238,13 +291,16 @@ def values_by_kind(calls: list[CallScore]) -> dict[str, dict[str, int]]:
 
 
 def score_call(turn: int, index: int, expected: dict, name: str, arguments: str,
-               required: frozenset | None = None) -> CallScore:
+               required: frozenset | None = None, context: str = "") -> CallScore:
+    """One call against its expected one; ``context``: the conversation's text before the call
+    (what `value_misses` looks a wrong value up in)."""
     parsed = parse_arguments(arguments)
     name_ok = name == expected["name"]
     args_ok, values_ok = arguments_match(parsed, expected["arguments"], required)
+    n = len(expected["arguments"])
+    misses = value_misses(parsed, expected["arguments"], context) if name_ok else ({"wrong_tool": n} if n else {})
     return CallScore(turn, index, expected, name, arguments, name_ok, name_ok and args_ok,
-                     name_ok and same_json(parsed, expected["arguments"]), len(expected["arguments"]),
-                     values_ok if name_ok else 0)
+                     name_ok and same_json(parsed, expected["arguments"]), n, values_ok if name_ok else 0, misses)
 
 
 def share(n: int, total: int) -> float:
@@ -265,6 +321,7 @@ def summarize(per_task: dict[str, list[CallScore]], errors: list[TaskError] = ()
             "calls": len(calls), "names_ok": sum(c.name_ok for c in calls), "calls_ok": sum(c.ok for c in calls),
             "calls_exact": sum(c.exact for c in calls), "values": values,
             "values_ok": sum(c.values_ok for c in calls), "values_by_kind": values_by_kind(calls),
+            "values_missed": values_missed(calls),
             "name_accuracy": share(sum(c.name_ok for c in calls), len(calls)),
             "call_accuracy": share(sum(c.ok for c in calls), len(calls)),
             "exact_accuracy": share(sum(c.exact for c in calls), len(calls)),
@@ -286,13 +343,14 @@ def function_calling(s, task: dict, temperature: float = 0.0):
     try:
         for t, turn in enumerate(task["turns"]):
             s += sgl.user(turn["user"])
+            context = s.text()  # the conversation before this turn's calls
             s += sgl.assistant_begin()
             calls = [gen_call(s, registry, f"t{t}c{k}", temperature=temperature)
                      for k in range(len(turn["expected"]))]
             s += sgl.assistant_end()
             results = turn.get("results") or []
             for k, (call, expected) in enumerate(zip(calls, turn["expected"])):
-                scores.append(score_call(t, k, expected, call.name, call.arguments, required[expected["name"]]))
+                scores.append(score_call(t, k, expected, call.name, call.arguments, required[expected["name"]], context))
                 s += tool(results[k] if k < len(results) else "ok")
     except ConstrainedCallError as e:
         return {"scores": scores, "error": str(e)[:300]}

@@ -372,6 +372,9 @@ def evaluate_table(report: dict) -> str:
             if fc.get("values_by_kind"):
                 lines.append("  values by kind: " + ", ".join(f"{kind} {d['ok']}/{d['values']}"
                                                             for kind, d in sorted(fc["values_by_kind"].items())))
+            if fc.get("values_missed"):
+                lines.append("  values not right: " + ", ".join(f"{why.replace('_', ' ')} {n}"
+                                                              for why, n in fc["values_missed"].items()))
         u = r.get("unconstrained_calls")
         if u:
             lines.append(f"unconstrained tool calls: {u['valid']}/{u['calls']} valid ({u['valid_share']:.1%}), "

@@ -133,6 +133,9 @@ def function_calling_figures(outcomes: list[Outcome]) -> dict:
                 mine = out.setdefault("values_by_kind", {}).setdefault(kind, {"values": 0, "ok": 0})
                 mine["values"] += d["values"]
                 mine["ok"] += d["ok"]
+            for why, n in sc.get("values_missed", {}).items():
+                missed = out.setdefault("values_missed", {})
+                missed[why] = missed.get(why, 0) + n
     for name, num, den in (("name_accuracy", "names_ok", "calls"), ("call_accuracy", "calls_ok", "calls"),
                            ("exact_accuracy", "calls_exact", "calls"), ("value_accuracy", "values_ok", "values"),
                            ("task_accuracy", "tasks_ok", "tasks"), ("task_exact_accuracy", "tasks_exact", "tasks")):

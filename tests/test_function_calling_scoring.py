@@ -5,7 +5,7 @@ import json
 import pytest
 
 from cedar.agents.function_calling import (TaskError, TaskFileError, load_tasks, read_tasks, same_json, score_call,
-                                           summarize)
+                                           summarize, whole_value)
 
 
 def test_same_json():
@@ -38,6 +38,28 @@ def test_values_are_broken_down_by_kind():
                      "string": {"values": 2, "ok": 1}, "array": {"values": 2, "ok": 0},
                      "bool": {"values": 2, "ok": 0}}
     assert sum(d["ok"] for d in kinds.values()) == got.values_ok + other_tool.values_ok
+
+
+def test_values_not_right_are_told_apart_by_where_they_came_from():
+    """A wrong value stated in the conversation before the call is another span copied; one stated
+    nowhere is made up; a missing one is left out; a wrong tool's values are all its own kind.
+    Every expected value is right or missed once."""
+    context = ('<|user|>Book it for 4417 guests, room "Nain", and the id is 12.5 or 7.<|end|>'
+               '<|tool|>{"status": "ok", "ref": "Ostra"}<|end|>')
+    exp = {"name": "f", "arguments": {"n": 4417, "s": "Nain", "x": 7, "r": "Ostra", "a": [1, 2], "o": "q"}}
+    got = score_call(0, 0, exp, "f", '{"n": 4417, "s": "Ostra", "x": 12.5, "r": "Ostr", "a": [12.5, 441]}',
+                     context=context)
+    # s, x: copied from elsewhere; r: "Ostr" is inside "Ostra", not whole; a: 441 inside 4417; o: left out
+    assert got.values_ok == 1
+    assert got.misses == {"stated_elsewhere": 2, "stated_nowhere": 2, "left_out": 1}
+    other_tool = score_call(0, 1, exp, "g", json.dumps(exp["arguments"]), context=context)
+    assert other_tool.misses == {"wrong_tool": 6}
+    s = summarize({"t": [got, other_tool]})
+    assert s["values_missed"] == {"left_out": 1, "stated_elsewhere": 2, "stated_nowhere": 2, "wrong_tool": 6}
+    assert sum(s["values_missed"].values()) == s["values"] - s["values_ok"]
+    # a value stated only inside a longer number or as part of a decimal is not stated whole
+    assert whole_value("5").search("-5 15 5.3 x5") is None and whole_value("5").search("it is 5.")
+    assert whole_value("-5").search("t-5") is None and whole_value("-5").search("at -5 C")
 
 
 def test_task_files_load_and_bad_ones_are_refused(tmp_path):
@@ -129,3 +151,4 @@ def test_the_evaluation_sums_the_kinds_over_tasks_and_counts_a_failed_run_as_a_t
     fig = function_calling_figures(outcomes)
     assert fig["values_by_kind"] == {"integer": {"values": 2, "ok": 1}, "string": {"values": 2, "ok": 1}}
     assert (fig["tasks"], fig["task_errors"], fig["values_ok"], fig["values"]) == (3, 1, 2, 4)
+    assert fig["values_missed"] == {"left_out": 0, "stated_elsewhere": 0, "stated_nowhere": 2, "wrong_tool": 0}

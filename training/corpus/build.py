@@ -33,7 +33,7 @@ from cedar.backend.tokenizer import END, ROLE_MARKERS
 
 from cedar.frontend.calls import ConstrainedCallError
 
-from cedar.agents.api_loop import whole_value
+from cedar.agents.function_calling import whole_value
 from cedar.agents.outcome import outcome_ok
 from cedar.agents.runs import AGENTS
 from .common import check_split
