@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from cedar.agents.api_loop import ERROR_RESULT, LoopTurn, reported_values, run_loop, score_loop, states
+from cedar.agents.api_loop import ERROR_RESULT, LoopTurn, pick_examples, reported_values, run_loop, score_loop, states
 from cedar.training.corpus.build import make_tasks
 from cedar.training.corpus.scripted import ScriptedBackend
 from cedar.training.corpus.tasks import Task
@@ -93,6 +93,19 @@ def test_loop_scoring_right_run_and_wrong_runs():
     # a second turn without an answer spoils the loop
     two = score_loop([LoopTurn("u", EXPECTED, [call("Oslo")], "4 C", 2), LoopTurn("v", EXPECTED, [], "", 1)], REQUIRED)
     assert not two.ended and not two.solved
+
+
+def test_the_loops_kept_as_examples_show_each_outcome_that_occurred():
+    def transcript(name, solved=False, ended=True, hit_limit=False):
+        return {"task": name, "score": {"solved": solved, "ended": ended, "hit_limit": hit_limit}}
+    runs = [transcript("a", solved=True), transcript("b", solved=True), transcript("c", solved=True),
+            transcript("d"), transcript("e", ended=False, hit_limit=True), transcript("f")]
+    assert [t["task"] for t in pick_examples(runs, 3)] == ["a", "d", "e"]  # not the first three (all solved)
+    assert [t["task"] for t in pick_examples(runs, 4)] == ["a", "b", "d", "e"]  # then the earliest others
+    assert [t["task"] for t in pick_examples(runs, 1)] == ["a"]
+    only_solved = [transcript("a", solved=True), transcript("b", solved=True)]
+    assert [t["task"] for t in pick_examples(only_solved, 3)] == ["a", "b"]
+    assert pick_examples([], 3) == []
 
 
 def test_an_answer_states_its_results_only_with_every_value_whole():
