@@ -190,20 +190,16 @@ def pick_examples(transcripts: list[dict], examples: int) -> list[dict]:
     """The transcripts to keep, in task order: the first solved, the first ended unsolved and the
     first that hit the limit (each kind that occurs), then the earliest others, `examples` at most."""
     kinds = (lambda s: s["solved"], lambda s: s["ended"] and not s["solved"], lambda s: s["hit_limit"])
-    keep: list[int] = []
-    for kind in kinds:
-        first = next((i for i, t in enumerate(transcripts) if kind(t["score"]) and i not in keep), None)
-        if first is not None and len(keep) < examples:
-            keep.append(first)
-    keep += [i for i in range(len(transcripts)) if i not in keep][: max(0, examples - len(keep))]
+    firsts = [next((i for i, t in enumerate(transcripts) if kind(t["score"])), None) for kind in kinds]
+    keep = list(dict.fromkeys(i for i in firsts if i is not None))[:examples]
+    keep += [i for i in range(len(transcripts)) if i not in keep][: examples - len(keep)]
     return [transcripts[i] for i in sorted(keep)]
 
 
 def run_loops(base_url: str, model: str, tasks: list[dict], max_requests: int = MAX_REQUESTS,
               examples: int = 3) -> dict:
     """Every task as a loop: how many end on their own, hit the limit, are solved; calls right;
-    a few transcripts: the first solved loop, the first that ended unsolved and the first that hit
-    the limit, then the earliest others up to `examples`. A task whose requests fail is an error."""
+    `examples` transcripts (:func:`pick_examples`). A task whose requests fail is an error."""
     from openai import OpenAI
 
     client = OpenAI(base_url=base_url.rstrip("/") + "/v1", api_key="none")
