@@ -503,3 +503,50 @@ def test_an_answer_that_reports_a_result_copies_it_as_a_call_copies_a_value(tmp_
                     assert w[j] == VALUE_START
                     checked += 1
     assert checked >= 6
+
+
+def test_a_loop_turn_that_makes_a_wrong_call_gives_up_and_the_wrong_call_carries_no_loss(tmp_path):
+    """With a ``mistakes`` share, some training turns make a wrong call of their own (one value
+    drawn anew), get an error and end with an answer saying the call failed (no right call after
+    it); the wrong call's tokens carry no loss, the answer's do. Without the share the tasks are
+    what they were, and a held-out split refuses it."""
+    from cedar.training.corpus.build import task_sessions
+    from cedar.training.corpus.schemas import loop_render
+    from cedar.training.trainer import DECISION, UNTRAINED, VALUE_START
+
+    tasks = make_tasks(6, "train", {"function-calling": 30}, mistakes=1.0)
+    assert [t.inputs for t in make_tasks(6, "train", {"function-calling": 30}, mistakes=0.0)] == \
+        [t.inputs for t in make_tasks(6, "train", {"function-calling": 30})]
+    with pytest.raises(ValueError, match="train split only"):
+        make_tasks(6, "heldout", {"function-calling": 1}, mistakes=0.5)
+    sessions = [s for t in tasks for s in task_sessions(t)]
+    build_tokenizer(tmp_path, 600, corpus=[s["text"] for s in sessions], markup_tokens=True)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    checked = 0
+    for task, session in zip(tasks, sessions):
+        mistakes = [t for t in task.inputs["turns"] if "mistake" in t.get("loop", {})]
+        text, spans = loop_render(task.inputs)
+        assert session["text"] == text and len(spans) == len(mistakes) == len(session.get("untrained", []))
+        w = tokenize_corpus([session], tmp_path)["weight"]
+        _, offsets = encode_session(tok, session)
+        for turn, (a, b) in zip(mistakes, spans):
+            m = turn["loop"]["mistake"]
+            right = turn["expected"][m["call"]]
+            assert m["wrong"]["name"] == right["name"] and m["wrong"]["arguments"] != right["arguments"]
+            wrong_call = tool_call_text(m["wrong"]["name"], json.dumps(m["wrong"]["arguments"]))
+            assert text[a:b] == f"<|assistant|>{wrong_call}<|end|>"
+            after = text[b:]
+            error_msg = f"<|tool|>{m['error']}<|end|>"
+            answer = f"<|assistant|>{turn['answer']}<|end|>"
+            assert after.startswith(error_msg + answer)  # the error, then the answer: no call again
+            assert f"The call to {right['name']} failed ({m['error'][7:]})." in turn["answer"]
+            toks = [j for j, (lo, hi) in enumerate(offsets) if lo < b and hi > a]
+            assert toks and all(w[j] == UNTRAINED for j in toks)
+            said = b + len(error_msg) + len("<|assistant|>")
+            first = next(j for j, (lo, hi) in enumerate(offsets) if hi > said)
+            assert w[first] == DECISION and all(w[j] in (1, DECISION, VALUE_START) for j, (lo, hi) in
+                                                 enumerate(offsets) if said <= lo and hi <= said + len(turn["answer"]))
+            checked += 1
+    assert checked >= 8

@@ -36,12 +36,13 @@ CONTEXT = 16384
 TOKENIZER_SAMPLE = 4000  # sessions the BPE is trained on
 
 
-def prepare(out: Path, seed: int, scale: float, log=print, fresh_share: float = 0.0) -> tuple[dict, dict]:
+def prepare(out: Path, seed: int, scale: float, log=print, fresh_share: float = 0.0,
+            mistakes: float = 0.0) -> tuple[dict, dict]:
     """Corpus, tokenizer and token arrays under ``out`` (each step skipped when already there)."""
     corpus_dir, model_dir = out / "corpus", out / "model"
     if not (corpus_dir / "train.jsonl").is_file():
         t = time.time()
-        corpus = build_corpus(seed, scale, log=log, fresh_share=fresh_share)
+        corpus = build_corpus(seed, scale, log=log, fresh_share=fresh_share, mistakes=mistakes)
         save_corpus(corpus, corpus_dir)
         held_texts = [{"kind": task.kind, "text": x} for task in corpus.heldout for x in run_scripted(task)]
         (corpus_dir / "heldout_sessions.jsonl").write_text("".join(json.dumps(s) + "\n" for s in held_texts))
@@ -113,7 +114,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         for name in TOKENIZER_FILES:
             if not (out / "model" / name).exists():
                 shutil.copy(Path(args.init) / name, out / "model" / name)
-    arrays, held = prepare(out, args.seed, args.scale, fresh_share=args.fresh_schemas)
+    arrays, held = prepare(out, args.seed, args.scale, fresh_share=args.fresh_schemas, mistakes=args.mistakes)
     model_dir = out / "model"
     ids = special_token_ids(model_dir)
     cfg = cedar_agent(VOCAB, bos=ids["<|bos|>"], eos=tuple(generation_eos_token_ids(model_dir)), pad=ids["<|pad|>"])
@@ -144,7 +145,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                "tokens_seen": tc.steps * tc.batch * tc.seq_len, "train_seconds": round(curve["seconds"], 1),
                "final_train_loss": float(np.mean([p["loss"] for p in curve["train"][-20:]])),
                "heldout": curve["heldout"][-1] if curve["heldout"] else None,
-               "fresh_schemas": args.fresh_schemas,
+               "fresh_schemas": args.fresh_schemas, "mistakes": args.mistakes,
                "corpus_tokens": int(len(arrays["ids"])), "heldout_tokens": int(len(held["ids"])),
                "probes": curve.get("probes", [])}
     if args.init:  # the run this one continued, with its own summary (and so on down the chain)
@@ -167,6 +168,10 @@ def register(sub) -> None:
     p.add_argument("--fresh-schemas", type=float, default=0.0, metavar="SHARE",
                    help="share of function-calling tasks over tools made up for the task (new tool, parameter "
                         "and enum names; see schemas.fresh_schema)")
+    p.add_argument("--mistakes", type=float, default=0.0, metavar="SHARE",
+                   help="share of function-calling loop turns that make a wrong call of their own (one value "
+                        "drawn anew; no loss on it), get an error and end with an answer that says the call "
+                        "failed (see schemas.vary_loops); the corpus is built with it, so use a new --out")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=100)

@@ -14,7 +14,8 @@ results, and a text answer that ends each turn (`schemas.loop_text`).
 `tokenize_corpus` then cuts every session at the boundaries of its gens (a thought, a tool name,
 its arguments) and tokenizes the pieces apart, exactly as `CedarEndpoint` sends a session to the
 server (the context as text, each gen's output as its own tokens), marks assistant tokens for
-full loss weight, and a random value's first statement for none.
+full loss weight, and a random value's first statement and a wrong call (a session's
+``untrained`` spans, `schemas.loop_render`) for none.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from cedar.agents.function_calling import whole_value
 from cedar.agents.outcome import outcome_ok
 from cedar.agents.runs import AGENTS
 from .common import check_split
-from .schemas import check_calls, loop_text
+from .schemas import check_calls, loop_render, loop_text
 from .scripted import ScriptedBackend
 from .tasks import GENERATORS, Task
 
@@ -53,16 +54,20 @@ class CorpusError(RuntimeError):
     """A scripted run did not end as its task expects."""
 
 
-def make_tasks(seed: int, split: str, counts: dict[str, int], fresh_share: float = 0.0) -> list[Task]:
+def make_tasks(seed: int, split: str, counts: dict[str, int], fresh_share: float = 0.0,
+               mistakes: float = 0.0) -> list[Task]:
     """`counts[kind]` tasks of each kind for `split` (see `common.SPLITS`): ``"heldout"`` draws only
     held-out templates; ``"train"`` and ``"in-template"`` only training templates, each from its
     own seed stream. Deterministic from (seed, split, kind, index). ``fresh_share`` (the
     ``"train"`` split only): the share of function-calling tasks over fresh schemas
     (`schemas.fresh_schema`: tools, parameters and enum values made up for the task); the other
-    tasks are what they are without it."""
+    tasks are what they are without it. ``mistakes`` (the ``"train"`` split only): the share of
+    function-calling turns that make a wrong call and give up (`schemas.vary_loops`)."""
     heldout = check_split(split)
     if fresh_share and split != "train":
         raise ValueError(f"fresh schemas are drawn for the train split only, not {split!r}")
+    if mistakes and split != "train":
+        raise ValueError(f"mistakes are made in the train split only, not {split!r}")
     tasks = []
     for kind, n in counts.items():
         if kind not in GENERATORS:
@@ -70,6 +75,8 @@ def make_tasks(seed: int, split: str, counts: dict[str, int], fresh_share: float
         for i in range(n):
             fresh = kind == "function-calling" and fresh_share > 0
             extra = {"fresh": random.Random(f"{seed}:{split}:fresh:{i}").random() < fresh_share} if fresh else {}
+            if kind == "function-calling" and mistakes:
+                extra["mistakes"] = mistakes
             task = GENERATORS[kind](random.Random(f"{seed}:{split}:{kind}:{i}"), heldout, i, **extra)
             if kind == "function-calling":
                 task.inputs["name"] = f"{split}-fc-{i}"
@@ -131,6 +138,14 @@ def _run_scripted_twice(task: Task) -> list[str]:
         return run_scripted(task)
 
 
+def task_sessions(task: Task) -> list[dict]:
+    """A training task's sessions for the corpus: ``{"kind", "text", "values"}`` per scripted
+    text, with ``untrained`` (start, end) character spans where a loop turn made a wrong call."""
+    spans = loop_render(task.inputs)[1] if task.agent == "function-calling" else []
+    return [{"kind": task.kind, "text": t, "values": task.values, **({"untrained": spans} if spans else {})}
+            for t in _run_scripted_twice(task)]
+
+
 def plain_texts(max_chars: int, piece_chars: int = 3000) -> list[str]:
     """Pieces of this interpreter's standard-library sources (PSF licence), in a fixed order."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -151,19 +166,21 @@ class Corpus:
     heldout: list[Task]
 
 
-def train_tasks(seed: int, scale: float, heldout: list[Task], fresh_share: float = 0.0) -> list[Task]:
+def train_tasks(seed: int, scale: float, heldout: list[Task], fresh_share: float = 0.0,
+                mistakes: float = 0.0) -> list[Task]:
     """The training split: the mix scaled, minus any task equal to a held-out one."""
     held_keys = {prompt_key(t) for t in heldout}
     counts = {k: max(1, round(n * scale)) for k, n in TRAIN_MIX.items()}
-    return [t for t in make_tasks(seed, "train", counts, fresh_share) if prompt_key(t) not in held_keys]
+    return [t for t in make_tasks(seed, "train", counts, fresh_share, mistakes) if prompt_key(t) not in held_keys]
 
 
-def build_corpus(seed: int = 0, scale: float = 1.0, log=print, fresh_share: float = 0.0) -> Corpus:
+def build_corpus(seed: int = 0, scale: float = 1.0, log=print, fresh_share: float = 0.0,
+                 mistakes: float = 0.0) -> Corpus:
     heldout = make_tasks(seed, "heldout", HELDOUT)
-    train = train_tasks(seed, scale, heldout, fresh_share)
+    train = train_tasks(seed, scale, heldout, fresh_share, mistakes)
     sessions = []
     for i, task in enumerate(train):
-        sessions += [{"kind": task.kind, "text": t, "values": task.values} for t in _run_scripted_twice(task)]
+        sessions += task_sessions(task)
         if log and (i + 1) % 500 == 0:
             log(f"[corpus] {i + 1}/{len(train)} scripted sessions")
     chars = sum(len(s["text"]) for s in sessions)
@@ -218,7 +235,9 @@ def tokenize_corpus(sessions: list[dict], tokenizer_dir: Path) -> dict[str, np.n
     0 = context (user, tool and system text, plain code: the trainer's small `context_weight`);
     UNTRAINED = no loss: the tokens of a random value's first statement (a session's ``values``,
     where the first occurrence is outside an assistant message): it is noise there, and only its
-    copies can be predicted; VALUE_START = the first token of an assistant's copy of such a value
+    copies can be predicted; and every token touching one of a session's ``untrained`` (start,
+    end) character spans (a wrong call: the model learns to stop after it, not to make it);
+    VALUE_START = the first token of an assistant's copy of such a value
     (an assistant token whose loss the trainer can weigh up: choosing which stated span to copy is
     the step a small model learns last, `cedar train --value-start-weight`); DECISION = the first
     token of an assistant message after a tool message (another call, or the text answer that ends
@@ -247,6 +266,8 @@ def tokenize_corpus(sessions: list[dict], tokenizer_dir: Path) -> dict[str, np.n
                     inside = False
             if t in roles:
                 role = t
+        for a, b in s.get("untrained", ()):
+            w[[j for j, (lo, hi) in enumerate(offsets) if lo < b and hi > a]] = UNTRAINED
         if s.get("values"):
             ends = np.asarray([b for _, b in offsets])
             for value in s["values"]:

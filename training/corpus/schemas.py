@@ -22,6 +22,11 @@ one call a request (each result before the next call), and a call whose first re
 error: after a transient error the same call once more (its result, or a second error), after a
 permanent one no retry; a call that stays failed ends the turn with a text answer that says so
 (an agent loop stops rather than repeating a call). Error texts are the training side's own.
+With a ``mistakes`` share (`cedar train --mistakes`), some turns instead make **a wrong call of
+their own** (the right tool, one argument's value drawn anew), get an error for it and give up:
+the turn ends with a text answer that says the call failed, never with the same call again. The
+wrong call is context only (`loop_render` gives its span, which carries no loss): the model learns
+to stop after its own mistake, not to make one.
 """
 
 from __future__ import annotations
@@ -287,13 +292,21 @@ PERMANENT_ERRORS = ("error: {tool} is disabled for this account", "error: permis
 # that learns "after an error, call again" keeps calling until a loop's limit (the README's
 # --fresh-schemas paragraph)
 SEQUENTIAL_SHARE, FAILURE_SHARE, RETRY_SHARE, RETRY_OK_SHARE = 0.5, 0.3, 0.25, 0.75
+# a wrong call of the model's own is answered by one of these ({param}: the argument drawn anew)
+MISTAKE_ERRORS = ("error: invalid value for {param}", "error: {tool} found nothing for that {param}",
+                  "error: bad request: {param} does not match any record", "error: {tool} rejected the arguments",
+                  "error: unknown {param}", "error: the request to {tool} is not valid")
 
 
-def vary_loops(rng: random.Random, turns: list[dict], reports: list[list[str]]) -> None:
+def vary_loops(rng: random.Random, turns: list[dict], reports: list[list[str]],
+               schemas: dict[str, Schema] | None = None, mistakes: float = 0.0) -> None:
     """Give some of ``turns`` (each calls-turn with its calls' ``reports``) a ``loop``: one call a
     request (``sequential``, for turns of several calls) and/or a ``failure`` of one call
     (``{"call": k, "errors": [...], "retry": bool}``); a failure that stands rewrites the turn's
-    answer (the calls reported that ran, then the failure). Mutates ``turns``."""
+    answer (the calls reported that ran, then the failure). With ``mistakes`` (a share), a turn
+    without a failure whose calls come one a request (or that has one call) may instead make a
+    ``mistake`` (`mistake_for`, from the task's ``schemas`` by name): its answer reports the calls
+    made before it, then that the call failed. Mutates ``turns``."""
     for turn, reps in zip(turns, reports):
         calls = turn["expected"]
         if not calls:
@@ -311,8 +324,36 @@ def vary_loops(rng: random.Random, turns: list[dict], reports: list[list[str]]) 
             if stays_failed(loop["failure"]):  # the answer says so
                 done = reps[:k] if loop.get("sequential") else reps[:k] + reps[k + 1:]
                 turn["answer"] = " ".join(done + [f"The call to {tool} failed ({errors[-1][7:]})."])
+        # NOTE: drawn only with a share, so a corpus without mistakes is what it was before them
+        one_a_request = loop.get("sequential") or len(calls) == 1
+        if mistakes and "failure" not in loop and one_a_request and rng.random() < mistakes:
+            mistake = mistake_for(rng, calls, schemas or {})
+            if mistake:
+                loop["mistake"] = mistake
+                tool = calls[mistake["call"]]["name"]
+                turn["answer"] = " ".join(reps[:mistake["call"]] + [f"The call to {tool} failed ({mistake['error'][7:]})."])
         if loop:
             turn["loop"] = loop
+
+
+def mistake_for(rng: random.Random, calls: list[dict], schemas: dict[str, Schema]) -> dict | None:
+    """A wrong call made in place of call ``k`` and the error it gets: ``{"call": k, "wrong":
+    {"name", "arguments"}, "error": str}``; the wrong call is call ``k`` with one argument's value
+    drawn anew (None when no argument of it can be drawn another value)."""
+    k = rng.randrange(len(calls))
+    c = calls[k]
+    schema = schemas.get(c["name"])
+    params = [p for p in (schema.params if schema else ()) if p.name in c["arguments"]]
+    if not params:
+        return None
+    p = rng.choice(params)
+    for _ in range(20):
+        wrong = sample_value(rng, p)
+        if wrong != c["arguments"][p.name]:
+            error = rng.choice(MISTAKE_ERRORS).format(tool=c["name"], param=p.name)
+            return {"call": k, "wrong": {"name": c["name"], "arguments": {**c["arguments"], p.name: wrong}},
+                    "error": error}
+    return None
 
 
 def stays_failed(failure: dict) -> bool:
@@ -321,9 +362,10 @@ def stays_failed(failure: dict) -> bool:
     return len(failure["errors"]) == 1 + failure["retry"]
 
 
-def _turn_loop(turn: dict) -> str:
+def _turn_loop(turn: dict) -> tuple[str, list[tuple[int, int]]]:
     """A calls-turn after its user message as an OpenAI-API loop renders it (``loop`` applied):
-    assistant messages of calls and their tool messages, up to the text answer (not included)."""
+    assistant messages of calls and their tool messages, up to the text answer (not included);
+    and the (start, end) characters of a wrong call's assistant message in that text."""
     calls = [tool_call_text(c["name"], json.dumps(c["arguments"])) for c in turn["expected"]]
     results = turn.get("results") or []
     result = [results[k] if k < len(results) else "ok" for k in range(len(calls))]
@@ -336,21 +378,29 @@ def _turn_loop(turn: dict) -> str:
             again = fail["errors"][-1] if stays else result[k]
             retry_text = message_text("assistant", calls[k]) + message_text("tool", again)
         result[k] = fail["errors"][0]
-    if not loop.get("sequential"):
-        return message_text("assistant", "".join(calls)) + "".join(message_text("tool", r) for r in result) + retry_text
+    mistake = loop.get("mistake")
+    if not loop.get("sequential") and not mistake:
+        return (message_text("assistant", "".join(calls)) + "".join(message_text("tool", r) for r in result)
+                + retry_text, [])
     text = ""
     for j, (c, r) in enumerate(zip(calls, result)):
+        if mistake and j == mistake["call"]:  # the wrong call in place of this one, its error, and the turn ends
+            w = mistake["wrong"]
+            wrong = message_text("assistant", tool_call_text(w["name"], json.dumps(w["arguments"])))
+            return text + wrong + message_text("tool", mistake["error"]), [(len(text), len(text) + len(wrong))]
         text += message_text("assistant", c) + message_text("tool", r) + (retry_text if j == k else "")
         if j == k and stays:  # NOTE: a call that stays failed ends the turn: no further call
             break
-    return text
+    return text, []
 
 
-def fc_task(rng: random.Random, heldout: bool = False, index: int = 0, fresh: bool = False) -> Task:
+def fc_task(rng: random.Random, heldout: bool = False, index: int = 0, fresh: bool = False,
+            mistakes: float = 0.0) -> Task:
     """A task over 2-5 schemas of the split's catalogue: 1-3 turns, each with 1-3 calls (or, after
     the first, a turn answered without a tool), a result per call and the text that ends it.
     ``fresh`` (training tasks only; `make_tasks` refuses it for another split): 1 to all of the
-    tools are `fresh_schema`s instead."""
+    tools are `fresh_schema`s instead. ``mistakes`` (training tasks only): `vary_loops`' share of
+    turns that make a wrong call and give up."""
     tools = rng.sample(catalogue(heldout), rng.randrange(2, 6))
     if fresh:
         used: set[str] = set()
@@ -397,7 +447,7 @@ def fc_task(rng: random.Random, heldout: bool = False, index: int = 0, fresh: bo
         inputs["system"] = system
     values += [s.name for s in tools]
     if not heldout:  # NOTE: from a stream drawn last, so every other field is what it was without it
-        vary_loops(random.Random(rng.getrandbits(64)), turns, turn_reports)
+        vary_loops(random.Random(rng.getrandbits(64)), turns, turn_reports, {s.name: s for s in tools}, mistakes)
     first = turns[0]["expected"][0]["name"]
     return Task("function-calling", "function-calling", inputs, {(turns[0]["user"], None): answers},
                 {"calls": [c for t in turns for c in t["expected"]]}, f"function-calling/schema:{first}",
@@ -405,24 +455,33 @@ def fc_task(rng: random.Random, heldout: bool = False, index: int = 0, fresh: bo
 
 
 def loop_text(inputs: dict, answers: bool = True) -> str:
+    """`loop_render`'s text."""
+    return loop_render(inputs, answers)[0]
+
+
+def loop_render(inputs: dict, answers: bool = True) -> tuple[str, list[tuple[int, int]]]:
     """The task's conversation in the served markup: system (with the tools), then per turn the
     user message, one assistant message with the expected calls, one tool message per call
     (`results[k]` or "ok") and, with ``answers``, the turn's text answer (a message of its own
     after the results, or the assistant message itself when the turn has no calls). With
-    ``answers`` a turn's ``loop`` (one call a request, a failed call) is rendered too; without,
-    the text is the constrained program's, which knows no loop."""
+    ``answers`` a turn's ``loop`` (one call a request, a failed call, a wrong call) is rendered
+    too; without, the text is the constrained program's, which knows no loop. Also returns the
+    (start, end) characters of every wrong call's assistant message (no loss in training)."""
     registry = ToolRegistry.from_openai(inputs["tools"])
     text = message_text("system", system_text(inputs.get("system"), registry.openai_tools()))
+    spans: list[tuple[int, int]] = []
     for turn in inputs["turns"]:
         text += message_text("user", turn["user"])
         final = turn.get("answer") if answers else None
         if not turn["expected"]:
             text += message_text("assistant", final or "")
             continue
-        text += _turn_loop(turn if answers else {k: v for k, v in turn.items() if k != "loop"})
+        part, part_spans = _turn_loop(turn if answers else {k: v for k, v in turn.items() if k != "loop"})
+        spans += [(len(text) + a, len(text) + b) for a, b in part_spans]
+        text += part
         if final:
             text += message_text("assistant", final)
-    return text
+    return text, spans
 
 
 def check_calls(inputs: dict) -> None:
