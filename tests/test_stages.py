@@ -9,7 +9,9 @@ from safetensors.torch import load_file, save_file
 
 from cedar.backend.config import CEDConfig
 from cedar.backend.model_io import load_model, save_model
-from cedar.training.stages import restore, save
+import pytest
+
+from cedar.training.stages import average, restore, save
 
 
 def _flagged_copy(src, dst):
@@ -42,3 +44,29 @@ def test_a_stage_saved_without_its_config_takes_the_like_models(tiny_model_dir, 
               metadata={"note": "no config"})
     restore(tmp_path / "bare.safetensors", tmp_path / "restored", like=tiny_model_dir)
     assert CEDConfig.load(tmp_path / "restored") == CEDConfig.load(tiny_model_dir)
+
+
+def test_average_is_the_mean_of_each_tensor_and_a_stage_of_its_own(tiny_model_dir, tmp_path):
+    """`cedar stage average`: every weight the mean of the two folders' (not either one's), the
+    config and tokenizer of the stage, a training.json warm-started from the stage's; folders of
+    two geometries are refused."""
+    shutil.copytree(tiny_model_dir, tmp_path / "stage")
+    moved = load_model(tiny_model_dir, quantize=False)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(1.0)
+    save_model(moved, tmp_path / "stage")
+    (tmp_path / "stage" / "training.json").write_text(json.dumps({"command": "cedar train X", "parameters": 7,
+                                                                  "steps": 5, "tokens_seen": 10}))
+    average(tmp_path / "stage", tiny_model_dir, tmp_path / "mean", note="half way")
+    base, mean = load_model(tiny_model_dir, quantize=False).state_dict(), load_model(tmp_path / "mean", quantize=False)
+    for name, w in mean.state_dict().items():
+        if w.is_floating_point() and name in dict(moved.named_parameters()):
+            assert torch.allclose(w, base[name] + 0.5, atol=1e-6), name
+    tr = json.loads((tmp_path / "mean" / "training.json").read_text())
+    assert tr["steps"] == 0 and tr["note"] == "half way" and tr["parameters"] == 7
+    assert tr["warm_start"]["command"] == "cedar train X"
+    assert (tmp_path / "mean" / "tokenizer.json").read_bytes() == (tiny_model_dir / "tokenizer.json").read_bytes()
+    _flagged_copy(tiny_model_dir, tmp_path / "flagged")
+    with pytest.raises(ValueError, match="configs differ"):
+        average(tmp_path / "flagged", tiny_model_dir, tmp_path / "no")

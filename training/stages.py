@@ -4,6 +4,7 @@
         [--note TEXT]
     cedar stage restore training/checkpoints/NAME.safetensors MODEL_DIR \
         [--like models/cedar-agent]
+    cedar stage average STAGE_DIR EARLIER_DIR OUT_DIR [--note TEXT]
 
 Why: issue 21's training chain takes longer than one session, and a session's `runs/` (git-ignored,
 beside the checkpoints with their optimizer state) does not outlive its machine. A stage's *model*
@@ -13,6 +14,10 @@ trained one, a smaller one within 6e-8: the next stage's first steps absorb that
 writes a float32 model folder (the config the stage was saved with; tokenizer of `--like`, the
 shipped model by default) that `--init` of the next stage reads. Each stage is written once; the shipped
 model in `models/` is the chain's end, not one of these.
+
+`average` writes the mean of two model folders' weights, tensor by tensor (a stage and the model it
+started from: a point between them, which keeps some of what the stage gained and some of what it
+cost); its ``training.json`` is a stage of its own, 0 steps, warm-started from ``STAGE_DIR``'s.
 """
 
 from __future__ import annotations
@@ -75,6 +80,30 @@ def restore(ckpt: Path, model_dir: Path, like: Path) -> None:
     print(f"restored {ckpt} to {model_dir}")
 
 
+def average(stage_dir: Path, earlier_dir: Path, out: Path, note: str = "") -> None:
+    """``out`` = the tensor-by-tensor mean of the two folders' weights (float32), with
+    ``stage_dir``'s config and tokenizer; ValueError when their configs or tensors differ."""
+    a, b = load_model(stage_dir, quantize=False), load_model(earlier_dir, quantize=False)
+    if a.cfg != b.cfg:
+        raise ValueError(f"{stage_dir} and {earlier_dir}: the configs differ; only one geometry can be averaged")
+    sa, sb = a.state_dict(), b.state_dict()
+    if sa.keys() != sb.keys() or any(sa[k].shape != sb[k].shape for k in sa):
+        raise ValueError(f"{stage_dir} and {earlier_dir}: the tensors differ")
+    a.load_state_dict({k: (sa[k] + sb[k]) / 2 if sa[k].is_floating_point() else sa[k] for k in sa}, strict=True)
+    out.mkdir(parents=True, exist_ok=True)
+    save_model(a, out)
+    for name in TOKENIZER_FILES:
+        if (stage_dir / name).exists():
+            shutil.copy(stage_dir / name, out / name)
+    trained = json.loads((stage_dir / "training.json").read_text()) if (stage_dir / "training.json").is_file() else {}
+    keep = {k: trained[k] for k in ("geometry", "parameters", "corpus_tokens", "heldout_tokens") if k in trained}
+    summary = {"command": f"cedar stage average {stage_dir} {earlier_dir} {out}", **keep, "steps": 0,
+               "tokens_seen": 0, "train_seconds": 0.0, "heldout": None, "probes": [],
+               "note": note or f"the mean of this stage's weights and {earlier_dir}'s", "warm_start": trained}
+    (out / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"averaged {len(sa)} tensors of {stage_dir} and {earlier_dir} into {out}")
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("save")
@@ -85,11 +114,18 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     r.add_argument("ckpt", type=Path)
     r.add_argument("model_dir", type=Path)
     r.add_argument("--like", type=Path, default=Path("models/cedar-agent"))
+    v = sub.add_parser("average")
+    v.add_argument("stage_dir", type=Path)
+    v.add_argument("earlier_dir", type=Path)
+    v.add_argument("out", type=Path)
+    v.add_argument("--note", default="")
 
 
 def run(a: argparse.Namespace) -> int:
     if a.cmd == "save":
         save(a.model_dir, a.out, a.note)
+    elif a.cmd == "average":
+        average(a.stage_dir, a.earlier_dir, a.out, a.note)
     else:
         restore(a.ckpt, a.model_dir, a.like)
     return 0
