@@ -60,7 +60,9 @@ def stages_table(chain: list[dict]) -> str:
     for i, st in enumerate(chain, 1):
         h = st.get("heldout") or {}
         minutes = f"{st['train_seconds'] / 60:.0f}" if st.get("train_seconds") is not None else "not recorded"
-        loss = (f"{h['loss']:.3f} / {h['assistant_loss']:.3f}" if "loss" in h else "- (not an agent-corpus stage)")
+        loss = (f"{h['loss']:.3f} / {h['assistant_loss']:.3f}" if "loss" in h else
+                "- (weights averaged, no steps)" if st.get("command", "").startswith("cedar stage average") else
+                "- (not an agent-corpus stage)")
         rows.append(f"| {i} | `{st['command']}` | {st['steps']} | {st['tokens_seen']:,} | {minutes} | {loss} |")
     notes = [f"- Stage {i}: {st['note']}" for i, st in enumerate(chain, 1) if st.get("note")]
     return "\n".join(rows + ([""] + notes if notes else []))
@@ -165,6 +167,11 @@ def main(model_dir: str, eval_json: str, fidelity_json: str) -> None:
         "`models/cedar-agent/README.md`), so the comparison would read 0% against 0%.")
     gold = gold_recall_distances(model_dir, recall.get("tasks", 10))
     chain = stages(tr)
+    # NOTE: an averaged model (`cedar stage average`) trained no steps: the losses are its last trained stage's
+    trained = next(st for st in reversed(chain) if st.get("final_train_loss") is not None)
+    held = trained.get("heldout") or {}
+    loss_of = ("" if trained is tr else
+               f"; these are stage {chain.index(trained) + 1}'s, before its weights were averaged (not measured after)")
     total_tokens = sum(st["tokens_seen"] for st in chain)
     timed = [st["train_seconds"] for st in chain if st.get("train_seconds") is not None]
     total_minutes = sum(timed) / 60
@@ -252,7 +259,7 @@ any model folder; through the training forward with bounded replay simulated):
 ## Figures
 
 Held-out loss (cold, all tokens / assistant tokens): **{held.get('loss', float('nan')):.3f} / {held.get('assistant_loss', float('nan')):.3f}** nats
-(final training loss {tr['final_train_loss']:.3f}).
+(final training loss {trained['final_train_loss']:.3f}){loss_of}.
 
 Through a real `cedar serve`, greedy (`{ev.get('command', 'cedar evaluate')}`; raw figures in
 `docs/eval.json`). A coding task counts only when its test passes on the files the agent left; a

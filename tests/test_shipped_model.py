@@ -49,7 +49,9 @@ def test_the_tokenizer_fits_the_model_and_the_markup():
 def test_the_model_card_names_its_training_command_and_figures():
     card = (MODEL / "README.md").read_text()
     training = json.loads((MODEL / "training.json").read_text())
-    assert training["command"].startswith("cedar train ") and training["command"] in card
+    assert training["command"].startswith(("cedar train ", "cedar stage average ")) and training["command"] in card
+    if training["command"].startswith("cedar stage average "):  # averaged weights: the stage averaged is trained
+        assert training["warm_start"]["command"].startswith("cedar train ") and training["warm_start"]["command"] in card
     assert "held-out" in card and "fidelity" in card.lower()
 
 
