@@ -550,3 +550,24 @@ def test_a_loop_turn_that_makes_a_wrong_call_gives_up_and_the_wrong_call_carries
                                                  enumerate(offsets) if said <= lo and hi <= said + len(turn["answer"]))
             checked += 1
     assert checked >= 8
+
+
+def test_asked_for_the_last_result_after_a_failed_call_the_answer_is_the_error_the_loop_showed():
+    """A turn asking what came back answers with the last tool message the conversation shows: after
+    a turn whose last call failed (or made a wrong call), the error, never a result that did not
+    appear."""
+    from cedar.training.corpus.schemas import LAST
+
+    checked = errors = 0
+    for task in make_tasks(3, "train", {"function-calling": 300}, mistakes=0.5):
+        text = loop_text(task.inputs)
+        turns = task.inputs["turns"]
+        for before, turn in zip(turns, turns[1:]):
+            if turn["expected"] or turn["user"] not in LAST or not before["expected"]:
+                continue
+            asked = text.index(f"<|user|>{turn['user']}<|end|>")
+            shown = text[:asked].rsplit("<|tool|>", 1)[1].split("<|end|>")[0]
+            assert turn["answer"] == f"It returned {shown}."
+            checked += 1
+            errors += shown.startswith("error:")
+    assert checked >= 10 and errors >= 2, (checked, errors)

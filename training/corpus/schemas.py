@@ -26,7 +26,8 @@ With a ``mistakes`` share (`cedar train --mistakes`), some turns instead make **
 their own** (the right tool, one argument's value drawn anew), get an error for it and give up:
 the turn ends with a text answer that says the call failed, never with the same call again. The
 wrong call is context only (`loop_render` gives its span, which carries no loss): the model learns
-to stop after its own mistake, not to make one.
+to stop after its own mistake, not to make one. A later turn asking what came back answers with
+the last tool message the loop showed (`last_result`: an error, when the call failed).
 """
 
 from __future__ import annotations
@@ -394,6 +395,14 @@ def _turn_loop(turn: dict) -> tuple[str, list[tuple[int, int]]]:
     return text, []
 
 
+def last_result(turn: dict) -> str:
+    """The last tool message a calls-turn's loop shows (an error, when its last call failed or a
+    call that failed ended the turn)."""
+    head, tail = message_text("tool", "\0").split("\0")
+    text = _turn_loop(turn)[0]
+    return text[text.rindex(head) + len(head):].split(tail)[0]
+
+
 def fc_task(rng: random.Random, heldout: bool = False, index: int = 0, fresh: bool = False,
             mistakes: float = 0.0) -> Task:
     """A task over 2-5 schemas of the split's catalogue: 1-3 turns, each with 1-3 calls (or, after
@@ -448,6 +457,9 @@ def fc_task(rng: random.Random, heldout: bool = False, index: int = 0, fresh: bo
     values += [s.name for s in tools]
     if not heldout:  # NOTE: from a stream drawn last, so every other field is what it was without it
         vary_loops(random.Random(rng.getrandbits(64)), turns, turn_reports, {s.name: s for s in tools}, mistakes)
+        for before, turn in zip(turns, turns[1:]):  # NOTE: "what did it return?" answers what the loop showed last
+            if not turn["expected"] and turn["user"] in LAST and before.get("loop"):
+                turn["answer"] = f"It returned {last_result(before)}."
     first = turns[0]["expected"][0]["name"]
     return Task("function-calling", "function-calling", inputs, {(turns[0]["user"], None): answers},
                 {"calls": [c for t in turns for c in t["expected"]]}, f"function-calling/schema:{first}",
