@@ -4,13 +4,12 @@ import json
 import shutil
 from dataclasses import replace
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from cedar.backend.config import CEDConfig
 from cedar.backend.model_io import load_model, save_model
-import pytest
-
 from cedar.training.stages import average, restore, save
 
 

@@ -324,7 +324,7 @@ def vary_loops(rng: random.Random, turns: list[dict], reports: list[list[str]],
             loop["failure"] = {"call": k, "errors": errors, "retry": retry}
             if stays_failed(loop["failure"]):  # the answer says so
                 done = reps[:k] if loop.get("sequential") else reps[:k] + reps[k + 1:]
-                turn["answer"] = " ".join(done + [f"The call to {tool} failed ({errors[-1][7:]})."])
+                turn["answer"] = failed_answer(done, tool, errors[-1])
         # NOTE: drawn only with a share, so a corpus without mistakes is what it was before them
         one_a_request = loop.get("sequential") or len(calls) == 1
         if mistakes and "failure" not in loop and one_a_request and rng.random() < mistakes:
@@ -332,9 +332,15 @@ def vary_loops(rng: random.Random, turns: list[dict], reports: list[list[str]],
             if mistake:
                 loop["mistake"] = mistake
                 tool = calls[mistake["call"]]["name"]
-                turn["answer"] = " ".join(reps[:mistake["call"]] + [f"The call to {tool} failed ({mistake['error'][7:]})."])
+                turn["answer"] = failed_answer(reps[:mistake["call"]], tool, mistake["error"])
         if loop:
             turn["loop"] = loop
+
+
+def failed_answer(done: list[str], tool: str, error: str) -> str:
+    """The text that ends a turn whose call to ``tool`` failed: the reports of the calls ``done``,
+    then the failure (``error`` without its ``"error: "`` head)."""
+    return " ".join(done + [f"The call to {tool} failed ({error.removeprefix('error: ')})."])
 
 
 def mistake_for(rng: random.Random, calls: list[dict], schemas: dict[str, Schema]) -> dict | None:
