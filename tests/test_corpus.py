@@ -466,6 +466,37 @@ def test_the_first_token_after_a_result_is_a_decision(tmp_path):
     assert all(w[j + 1] in (1, 3) for j in found)  # the rest of the message: assistant tokens
 
 
+def test_a_served_share_of_function_calling_sessions_is_tokenized_whole_as_the_server_does(tmp_path):
+    """`served_share` tokenizes that share of the function-calling sessions in one piece (as the
+    server tokenizes an OpenAI-API chat: merges cross a call's edges), the rest and every other
+    kind cut at their gens; the same sessions on every build; assistant tokens marked either way."""
+    from tokenizers import Tokenizer
+
+    from cedar.training.corpus.build import encode_session, served_whole
+
+    tasks = make_tasks(9, "train", {"function-calling": 24, "react": 2})
+    sessions = [{"kind": t.kind, "text": x} for t in tasks for x in run_scripted(t)[:1]]
+    build_tokenizer(tmp_path, 600, corpus=[s["text"] for s in sessions], markup_tokens=True)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    cut = [encode_session(tok, s)[0] for s in sessions]
+    whole = [tok.encode(s["text"], add_special_tokens=False).ids for s in sessions]
+    assert sum(c != w for c, w in zip(cut, whole)) >= 12  # the two tokenizations differ
+
+    def docs(arrays):
+        starts = arrays["doc_start"].tolist()
+        return [arrays["ids"][a:b].tolist() for a, b in zip(starts[:-1], starts[1:])]
+
+    assert docs(tokenize_corpus(sessions, tmp_path)) == cut
+    served = tokenize_corpus(sessions, tmp_path, served_share=1.0)
+    assert docs(served) == [w if s["kind"] == "function-calling" else c for s, c, w in zip(sessions, cut, whole)]
+    marked = tok.decode([int(i) for i, w in zip(served["ids"], served["weight"]) if w], skip_special_tokens=False)
+    assert "<tool_call>" in marked and "<|tool|>" not in marked and "<|user|>" not in marked
+    half = [served_whole(s, 0.5) for s in sessions]
+    assert 4 <= sum(half) <= 20 and half == [served_whole(s, 0.5) for s in sessions]
+    assert docs(tokenize_corpus(sessions, tmp_path, served_share=0.5)) == [
+        w if h else c for h, c, w in zip(half, cut, whole)]
+
+
 def test_an_answer_that_reports_a_result_copies_it_as_a_call_copies_a_value(tmp_path):
     """A tool result's values (an id, a number, a reference; not its status) are among the task's
     random values: their statement in the tool message carries no loss and the answer's copy

@@ -37,7 +37,7 @@ TOKENIZER_SAMPLE = 4000  # sessions the BPE is trained on
 
 
 def prepare(out: Path, seed: int, scale: float, log=print, fresh_share: float = 0.0,
-            mistakes: float = 0.0) -> tuple[dict, dict]:
+            mistakes: float = 0.0, served_share: float = 0.0) -> tuple[dict, dict]:
     """Corpus, tokenizer and token arrays under ``out`` (each step skipped when already there)."""
     corpus_dir, model_dir = out / "corpus", out / "model"
     if not (corpus_dir / "train.jsonl").is_file():
@@ -52,7 +52,7 @@ def prepare(out: Path, seed: int, scale: float, log=print, fresh_share: float = 
         sample = [s["text"] for s in sessions[:TOKENIZER_SAMPLE]]
         build_tokenizer(model_dir, VOCAB, corpus=sample, markup_tokens=True, model_max_length=CONTEXT)
     if not (corpus_dir / "tokens.npz").is_file():
-        np.savez(corpus_dir / "tokens.npz", **tokenize_corpus(sessions, model_dir))
+        np.savez(corpus_dir / "tokens.npz", **tokenize_corpus(sessions, model_dir, served_share))
         held = [json.loads(line) for line in (corpus_dir / "heldout_sessions.jsonl").open()]
         np.savez(corpus_dir / "heldout_tokens.npz", **tokenize_corpus(held, model_dir))
     arrays = dict(np.load(corpus_dir / "tokens.npz"))
@@ -114,7 +114,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         for name in TOKENIZER_FILES:
             if not (out / "model" / name).exists():
                 shutil.copy(Path(args.init) / name, out / "model" / name)
-    arrays, held = prepare(out, args.seed, args.scale, fresh_share=args.fresh_schemas, mistakes=args.mistakes)
+    arrays, held = prepare(out, args.seed, args.scale, fresh_share=args.fresh_schemas, mistakes=args.mistakes,
+                          served_share=args.served_share)
     model_dir = out / "model"
     ids = special_token_ids(model_dir)
     cfg = cedar_agent(VOCAB, bos=ids["<|bos|>"], eos=tuple(generation_eos_token_ids(model_dir)), pad=ids["<|pad|>"])
@@ -145,7 +146,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                "tokens_seen": tc.steps * tc.batch * tc.seq_len, "train_seconds": round(curve["seconds"], 1),
                "final_train_loss": float(np.mean([p["loss"] for p in curve["train"][-20:]])),
                "heldout": curve["heldout"][-1] if curve["heldout"] else None,
-               "fresh_schemas": args.fresh_schemas, "mistakes": args.mistakes,
+               "fresh_schemas": args.fresh_schemas, "mistakes": args.mistakes, "served_share": args.served_share,
                "corpus_tokens": int(len(arrays["ids"])), "heldout_tokens": int(len(held["ids"])),
                "probes": curve.get("probes", [])}
     if args.init:  # the run this one continued, with its own summary (and so on down the chain)
@@ -172,6 +173,10 @@ def register(sub) -> None:
                    help="share of function-calling loop turns that make a wrong call of their own (one value "
                         "drawn anew; no loss on it), get an error and end with an answer that says the call "
                         "failed (see schemas.vary_loops); the corpus is built with it, so use a new --out")
+    p.add_argument("--served-share", type=float, default=0.0, metavar="SHARE",
+                   help="share of function-calling sessions tokenized whole, as the server tokenizes an "
+                        "OpenAI-API chat (the rest are cut at their gens, as a frontend program sends them; "
+                        "see build.served_whole); applied when the token arrays are made, so use a new --out")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=100)

@@ -13,7 +13,9 @@ results, and a text answer that ends each turn (`schemas.loop_text`).
 
 `tokenize_corpus` then cuts every session at the boundaries of its gens (a thought, a tool name,
 its arguments) and tokenizes the pieces apart, exactly as `CedarEndpoint` sends a session to the
-server (the context as text, each gen's output as its own tokens), marks assistant tokens for
+server (the context as text, each gen's output as its own tokens); a chosen share of the
+function-calling sessions is tokenized whole instead, as the server tokenizes an OpenAI-API chat
+(`served_whole`, `cedar train --served-share`). It marks assistant tokens for
 full loss weight, and a random value's first statement and a wrong call (a session's
 ``untrained`` spans, `schemas.loop_render`) for none.
 """
@@ -24,6 +26,7 @@ import json
 import random
 import re
 import sysconfig
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -201,11 +204,22 @@ def load_sessions(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "train.jsonl").open()]
 
 
-def encode_session(tok, session: dict) -> tuple[list[int], list[tuple[int, int]]]:
+def served_whole(session: dict, share: float) -> bool:
+    """Whether `tokenize_corpus` tokenizes this session in one piece, as the server tokenizes a chat
+    sent to `/v1/chat/completions` (its template's text, whole): function-calling sessions only,
+    the share `share` of them, chosen by a hash of the text (the same sessions on every build)."""
+    return session["kind"] == "function-calling" and zlib.crc32(session["text"].encode()) % 10_000 < share * 10_000
+
+
+def encode_session(tok, session: dict, whole: bool = False) -> tuple[list[int], list[tuple[int, int]]]:
     """A session's token ids and each token's (start, end) characters in its text, cut at its
-    gens as `split_at_gens` cuts it (plain text in one piece)."""
+    gens as `split_at_gens` cuts it (plain text, and `whole`, in one piece).
+
+    Cut, a call's name and arguments are tokens of their own, as `CedarEndpoint` carries a gen's
+    output forward; whole, merges cross those edges (the arguments' last `"}` and the tail's `}`
+    are one token, `"}}`), as in the history the server tokenizes for an OpenAI-API chat."""
     text = session["text"]
-    parts = split_at_gens(text) if session["kind"] != "plain" else [text]
+    parts = split_at_gens(text) if session["kind"] != "plain" and not whole else [text]
     ids, offsets, base = [], [], 0
     for part, enc in zip(parts, tok.encode_batch(parts, add_special_tokens=False)):
         ids += enc.ids
@@ -228,8 +242,12 @@ def value_spans(text: str, value: str, start: int = 0):
         start = at + len(value)
 
 
-def tokenize_corpus(sessions: list[dict], tokenizer_dir: Path) -> dict[str, np.ndarray]:
+def tokenize_corpus(sessions: list[dict], tokenizer_dir: Path, served_share: float = 0.0) -> dict[str, np.ndarray]:
     """-> {"ids": (N,) uint16, "weight": (N,) uint8, "doc_start": (D+1,) int64}.
+
+    Sessions are cut at their gens (`encode_session`), except the share `served_share` of the
+    function-calling ones (`served_whole`), tokenized whole as the server tokenizes a chat: the
+    model meets both in serving (a frontend program's history, an OpenAI-API chat's).
 
     Weights (see `cedar.training.trainer.loss_of`): 1 = assistant token (full loss);
     0 = context (user, tool and system text, plain code: the trainer's small `context_weight`);
@@ -252,7 +270,7 @@ def tokenize_corpus(sessions: list[dict], tokenizer_dir: Path) -> dict[str, np.n
     roles = {tok.token_to_id(m) for m in ROLE_MARKERS.values()}
     ids_all, weights, starts = [], [], [0]
     for s in sessions:
-        ids, offsets = encode_session(tok, s)
+        ids, offsets = encode_session(tok, s, served_whole(s, served_share))
         w, inside, role, first = np.zeros(len(ids), np.uint8), False, None, False
         for j, t in enumerate(ids):
             if t == start_id:
