@@ -318,3 +318,18 @@ def test_cli_evaluate_writes_both_splits_and_the_api_loops(tiny_server, tmp_path
         assert all(len(t["results"]) <= len(t["calls"]) for t in turns)
         assert 0 <= loops["answers_stating_results"] <= loops["answers_after_results"] <= len(turns)
     assert "OpenAI-API loops:" in proc.stdout and "answers that state their results" in proc.stdout
+
+
+def test_a_limit_above_the_heldout_count_draws_more_tasks_and_keeps_the_first():
+    """`cedar evaluate --limit N` draws N tasks a generator and split, past the corpus's held-out
+    count too; the default draw is its first tasks, unchanged."""
+    from cedar.drivers.cli import _split_tasks
+    from cedar.training.corpus.build import HELDOUT
+
+    n = HELDOUT["function-calling"]
+    for split in ("heldout", "in-template"):
+        default, _ = _split_tasks(0, split, ["function-calling"], None)
+        more, _ = _split_tasks(0, split, ["api-loop"], n + 5)
+        assert len(default) == n and len(more) == n + 5
+        assert [t.to_json() for t in more[:n]] == [t.to_json() for t in default]
+        assert len({json.dumps(t.inputs, sort_keys=True) for t in more}) == n + 5
