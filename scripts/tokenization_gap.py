@@ -3,9 +3,10 @@
 A frontend program carries each gen's tokens forward (a call's name and arguments are tokens of
 their own); the server tokenizes an OpenAI-API chat's history whole, so merges cross a call's
 edges (`"}` + `}` becomes `"}}`). For every assistant message that follows an earlier call, this
-scores the message (cut at its gens both times, as the model writes it) after the history
-tokenized both ways, with the reference model (dense maths, cold), and reports the summed
-negative log-likelihood (nats) of each and their difference per message.
+scores the message after the history tokenized both ways, with the reference model (dense maths,
+cold), and reports the summed negative log-likelihood (nats) of each and their difference per
+message. A message's score is its text's: the probability of its two tokenizations (cut and
+whole) summed, since a served model writes whichever it prefers.
 
     python scripts/tokenization_gap.py MODEL_DIR SESSIONS.jsonl [--kinds function-calling]
         [--limit 40] [--json OUT]
@@ -60,12 +61,16 @@ def gap(model_dir: Path, sessions: list[dict], max_tokens: int = 4096) -> dict:
             body = start + len(ASSISTANT)
             end = text.find(END, body)
             end = len(text) if end < 0 else end + len(END)
-            message = encode_session(tok, {"kind": s["kind"], "text": text[body:end]})[0]
+            msg = {"kind": s["kind"], "text": text[body:end]}
+            messages = {tuple(encode_session(tok, msg, whole=w)[0]) for w in (False, True)}
             head = {"kind": s["kind"], "text": text[:body]}
-            if len(encode_session(tok, head)[0]) + len(message) > max_tokens:
+            if len(encode_session(tok, head)[0]) + max(map(len, messages)) > max_tokens:
                 break
-            nll = {mode: message_nll(fwd, encode_session(tok, head, whole=mode == "whole")[0], message)
-                   for mode in sums}
+            nll = {}
+            for mode in sums:
+                history = encode_session(tok, head, whole=mode == "whole")[0]
+                scores = torch.tensor([-message_nll(fwd, history, list(m)) for m in messages])
+                nll[mode] = -float(torch.logsumexp(scores, 0))
             for mode in sums:
                 sums[mode] += nll[mode]
             diffs.append(nll["whole"] - nll["cut"])
