@@ -66,6 +66,14 @@ def test_average_is_the_mean_of_each_tensor_and_a_stage_of_its_own(tiny_model_di
     assert tr["steps"] == 0 and tr["note"] == "half way" and tr["parameters"] == 7
     assert tr["warm_start"]["command"] == "cedar train X"
     assert (tmp_path / "mean" / "tokenizer.json").read_bytes() == (tiny_model_dir / "tokenizer.json").read_bytes()
+    average(tmp_path / "stage", tiny_model_dir, tmp_path / "quarter", weight=0.25)  # the stage's share
+    quarter = load_model(tmp_path / "quarter", quantize=False).state_dict()
+    for name in dict(moved.named_parameters()):
+        if quarter[name].is_floating_point():
+            assert torch.allclose(quarter[name], base[name] + 0.25, atol=1e-6), name
+    assert json.loads((tmp_path / "quarter" / "training.json").read_text())["command"].endswith("--weight 0.25")
+    with pytest.raises(ValueError, match="strictly between"):
+        average(tmp_path / "stage", tiny_model_dir, tmp_path / "no", weight=1.0)
     _flagged_copy(tiny_model_dir, tmp_path / "flagged")
     with pytest.raises(ValueError, match="configs differ"):
         average(tmp_path / "flagged", tiny_model_dir, tmp_path / "no")

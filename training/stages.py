@@ -4,7 +4,7 @@
         [--note TEXT]
     cedar stage restore training/checkpoints/NAME.safetensors MODEL_DIR \
         [--like models/cedar-agent]
-    cedar stage average STAGE_DIR EARLIER_DIR OUT_DIR [--note TEXT]
+    cedar stage average STAGE_DIR EARLIER_DIR OUT_DIR [--weight W] [--note TEXT]
 
 Why: issue 21's training chain takes longer than one session, and a session's `runs/` (git-ignored,
 beside the checkpoints with their optimizer state) does not outlive its machine. A stage's *model*
@@ -17,7 +17,8 @@ model in `models/` is the chain's end, not one of these.
 
 `average` writes the mean of two model folders' weights, tensor by tensor (a stage and the model it
 started from: a point between them, which keeps some of what the stage gained and some of what it
-cost); its ``training.json`` is a stage of its own, 0 steps, warm-started from ``STAGE_DIR``'s.
+cost); ``--weight W`` gives the stage the share W and the earlier model 1 - W (default 0.5: the
+mean). Its ``training.json`` is a stage of its own, 0 steps, warm-started from ``STAGE_DIR``'s.
 """
 
 from __future__ import annotations
@@ -80,16 +81,20 @@ def restore(ckpt: Path, model_dir: Path, like: Path) -> None:
     print(f"restored {ckpt} to {model_dir}")
 
 
-def average(stage_dir: Path, earlier_dir: Path, out: Path, note: str = "") -> None:
-    """``out`` = the tensor-by-tensor mean of the two folders' weights (float32), with
-    ``stage_dir``'s config and tokenizer; ValueError when their configs or tensors differ."""
+def average(stage_dir: Path, earlier_dir: Path, out: Path, note: str = "", weight: float = 0.5) -> None:
+    """``out`` = ``weight`` x the stage's weights + (1 - ``weight``) x the earlier folder's, tensor
+    by tensor (float32; 0.5: the mean), with ``stage_dir``'s config and tokenizer; ValueError when
+    their configs or tensors differ or the weight is outside (0, 1)."""
+    if not 0.0 < weight < 1.0:
+        raise ValueError(f"--weight {weight}: the stage's share must lie strictly between 0 and 1")
     a, b = load_model(stage_dir, quantize=False), load_model(earlier_dir, quantize=False)
     if a.cfg != b.cfg:
         raise ValueError(f"{stage_dir} and {earlier_dir}: the configs differ; only one geometry can be averaged")
     sa, sb = a.state_dict(), b.state_dict()
     if sa.keys() != sb.keys() or any(sa[k].shape != sb[k].shape for k in sa):
         raise ValueError(f"{stage_dir} and {earlier_dir}: the tensors differ")
-    a.load_state_dict({k: (sa[k] + sb[k]) / 2 if sa[k].is_floating_point() else sa[k] for k in sa}, strict=True)
+    mix = {k: (sa[k] + sb[k]) / 2 if weight == 0.5 else weight * sa[k] + (1.0 - weight) * sb[k] for k in sa}
+    a.load_state_dict({k: mix[k] if sa[k].is_floating_point() else sa[k] for k in sa}, strict=True)
     out.mkdir(parents=True, exist_ok=True)
     save_model(a, out)
     for name in TOKENIZER_FILES:
@@ -97,9 +102,12 @@ def average(stage_dir: Path, earlier_dir: Path, out: Path, note: str = "") -> No
             shutil.copy(stage_dir / name, out / name)
     trained = json.loads((stage_dir / "training.json").read_text()) if (stage_dir / "training.json").is_file() else {}
     keep = {k: trained[k] for k in ("geometry", "parameters", "corpus_tokens", "heldout_tokens") if k in trained}
-    summary = {"command": f"cedar stage average {stage_dir} {earlier_dir} {out}", **keep, "steps": 0,
+    flag = "" if weight == 0.5 else f" --weight {weight:g}"
+    what = "the mean of" if weight == 0.5 else f"{weight:g} x this stage's weights + {1 - weight:g} x"
+    summary = {"command": f"cedar stage average {stage_dir} {earlier_dir} {out}{flag}", **keep, "steps": 0,
                "tokens_seen": 0, "train_seconds": 0.0, "heldout": None, "probes": [],
-               "note": note or f"the mean of this stage's weights and {earlier_dir}'s", "warm_start": trained}
+               "note": note or (f"the mean of this stage's weights and {earlier_dir}'s" if weight == 0.5
+                                else f"{what} {earlier_dir}'s"), "warm_start": trained}
     (out / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"averaged {len(sa)} tensors of {stage_dir} and {earlier_dir} into {out}")
 
@@ -118,6 +126,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     v.add_argument("stage_dir", type=Path)
     v.add_argument("earlier_dir", type=Path)
     v.add_argument("out", type=Path)
+    v.add_argument("--weight", type=float, default=0.5, help="the stage's share (the earlier model's: 1 - W)")
     v.add_argument("--note", default="")
 
 
@@ -125,7 +134,7 @@ def run(a: argparse.Namespace) -> int:
     if a.cmd == "save":
         save(a.model_dir, a.out, a.note)
     elif a.cmd == "average":
-        average(a.stage_dir, a.earlier_dir, a.out, a.note)
+        average(a.stage_dir, a.earlier_dir, a.out, a.note, a.weight)
     else:
         restore(a.ckpt, a.model_dir, a.like)
     return 0
