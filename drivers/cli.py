@@ -265,13 +265,6 @@ def _add_bench(sub) -> None:
     agents_cli.register(kinds)  # `cedar bench agents`: the agent-load matrix
 
 
-def _heldout(seed: int, kinds: list[str] | None, limit: int | None):
-    from cedar.training.corpus.build import HELDOUT, make_tasks
-
-    counts = {k: min(n, limit or n) for k, n in HELDOUT.items() if not kinds or k in kinds}
-    return make_tasks(seed, "heldout", counts)
-
-
 @contextlib.contextmanager
 def _server(args):
     """A running server (--server URL) or `cedar serve` on --model for the block; yields an
@@ -406,10 +399,10 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
     from cedar.backend.config import CEDConfig
     from cedar.backend.tokenizer import ROLE_MARKERS, special_token_ids
 
-    from cedar.training.corpus.build import run_scripted, token_sessions
+    from cedar.training.corpus.build import HELDOUT, make_tasks, run_scripted, token_sessions
     from cedar.drivers.fidelity import fidelity_report, plot, table_markdown
 
-    tasks = _heldout(args.seed, None, None)
+    tasks = make_tasks(args.seed, "heldout", HELDOUT)
     texts = [{"kind": t.kind, "text": x} for t in tasks if t.kind in ("react", "recall", "coding", "function-calling")
              for x in run_scripted(t)[:1]]
     with _server(args) as srv:

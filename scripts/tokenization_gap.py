@@ -27,19 +27,21 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
+from cedar.backend.chat_template import TOOL_CALL_END
 from cedar.backend.model_io import load_model
+from cedar.backend.tokenizer import END, ROLE_MARKERS
 from cedar.training.corpus.build import encode_session
 from cedar.training.dense import DenseForward, Plan
 
-ASSISTANT, END, CALL_END = "<|assistant|>", "<|end|>", "</tool_call>"
-W = 128
+ASSISTANT = ROLE_MARKERS["assistant"]
 
 
 def message_nll(fwd: DenseForward, history: list[int], message: list[int]) -> float:
-    """Summed next-token NLL (nats) of `message` after `history` (one row, padded to W)."""
+    """Summed next-token NLL (nats) of `message` after `history` (one row, padded to the window:
+    the training forward takes whole window blocks)."""
     ids = history + message
     T = len(ids)
-    pad = (-T) % W
+    pad = (-T) % fwd.cfg.sliding_window
     row = torch.tensor([ids + [0] * pad])
     doc = torch.tensor([[0] * T + [-1] * pad])
     with torch.no_grad():
@@ -48,14 +50,14 @@ def message_nll(fwd: DenseForward, history: list[int], message: list[int]) -> fl
 
 
 def gap(model_dir: Path, sessions: list[dict], max_tokens: int = 4096) -> dict:
-    """{"cut": {...}, "whole": {...}, "per_message": [whole - cut, ...]} over `sessions`."""
+    """{"cut": {...}, "whole": {...}, "per_message": [whole - cut, ...]} over `sessions`: each mode
+    is the history's tokenization (cut at gens, or whole)."""
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     fwd = DenseForward(load_model(model_dir, quantize=False))
-    sums = {"cut": 0.0, "whole": 0.0}
-    diffs = []
+    scored = []  # per message: {"cut": nll, "whole": nll}
     for s in sessions:
         text = s["text"]
-        first_call = text.find(CALL_END)
+        first_call = text.find(TOOL_CALL_END)
         start = text.find(ASSISTANT, first_call) if first_call >= 0 else -1
         while start >= 0:
             body = start + len(ASSISTANT)
@@ -66,16 +68,14 @@ def gap(model_dir: Path, sessions: list[dict], max_tokens: int = 4096) -> dict:
             head = {"kind": s["kind"], "text": text[:body]}
             if len(encode_session(tok, head)[0]) + max(map(len, messages)) > max_tokens:
                 break
-            nll = {}
-            for mode in sums:
+            scored.append({})
+            for mode in ("cut", "whole"):
                 history = encode_session(tok, head, whole=mode == "whole")[0]
                 scores = torch.tensor([-message_nll(fwd, history, list(m)) for m in messages])
-                nll[mode] = -float(torch.logsumexp(scores, 0))
-            for mode in sums:
-                sums[mode] += nll[mode]
-            diffs.append(nll["whole"] - nll["cut"])
+                scored[-1][mode] = -float(torch.logsumexp(scores, 0))
             start = text.find(ASSISTANT, end)
-    n = len(diffs)
+    n, diffs = len(scored), [m["whole"] - m["cut"] for m in scored]
+    sums = {mode: sum(m[mode] for m in scored) for mode in ("cut", "whole")}
     return {"messages": n,
             "cut": {"nll": round(sums["cut"], 2), "per_message": round(sums["cut"] / max(n, 1), 3)},
             "whole": {"nll": round(sums["whole"], 2), "per_message": round(sums["whole"] / max(n, 1), 3)},

@@ -93,8 +93,9 @@ def average(stage_dir: Path, earlier_dir: Path, out: Path, note: str = "", weigh
     sa, sb = a.state_dict(), b.state_dict()
     if sa.keys() != sb.keys() or any(sa[k].shape != sb[k].shape for k in sa):
         raise ValueError(f"{stage_dir} and {earlier_dir}: the tensors differ")
-    mix = {k: (sa[k] + sb[k]) / 2 if weight == 0.5 else weight * sa[k] + (1.0 - weight) * sb[k] for k in sa}
-    a.load_state_dict({k: mix[k] if sa[k].is_floating_point() else sa[k] for k in sa}, strict=True)
+    # NOTE: at 0.5 the same bits as (a + b) / 2: halving is exact, so either rounds the same sum
+    a.load_state_dict({k: weight * sa[k] + (1.0 - weight) * sb[k] if sa[k].is_floating_point() else sa[k]
+                       for k in sa}, strict=True)
     out.mkdir(parents=True, exist_ok=True)
     save_model(a, out)
     for name in TOKENIZER_FILES:
@@ -102,12 +103,12 @@ def average(stage_dir: Path, earlier_dir: Path, out: Path, note: str = "", weigh
             shutil.copy(stage_dir / name, out / name)
     trained = json.loads((stage_dir / "training.json").read_text()) if (stage_dir / "training.json").is_file() else {}
     keep = {k: trained[k] for k in ("geometry", "parameters", "corpus_tokens", "heldout_tokens") if k in trained}
-    flag = "" if weight == 0.5 else f" --weight {weight:g}"
-    what = "the mean of" if weight == 0.5 else f"{weight:g} x this stage's weights + {1 - weight:g} x"
-    summary = {"command": f"cedar stage average {stage_dir} {earlier_dir} {out}{flag}", **keep, "steps": 0,
-               "tokens_seen": 0, "train_seconds": 0.0, "heldout": None, "probes": [],
-               "note": note or (f"the mean of this stage's weights and {earlier_dir}'s" if weight == 0.5
-                                else f"{what} {earlier_dir}'s"), "warm_start": trained}
+    mean = weight == 0.5
+    summary = {"command": f"cedar stage average {stage_dir} {earlier_dir} {out}" + ("" if mean else f" --weight {weight:g}"),
+               **keep, "steps": 0, "tokens_seen": 0, "train_seconds": 0.0, "heldout": None, "probes": [],
+               "note": note or (f"the mean of this stage's weights and {earlier_dir}'s" if mean else
+                                f"{weight:g} x this stage's weights + {1 - weight:g} x {earlier_dir}'s"),
+               "warm_start": trained}
     (out / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"averaged {len(sa)} tensors of {stage_dir} and {earlier_dir} into {out}")
 
