@@ -45,8 +45,11 @@ def _cmd_agent_run(args: argparse.Namespace) -> int:
     from .runs import load_task, run_agent
 
     task = load_task(args.name, args.task)
+    if args.stated_values and args.name != "function-calling":
+        print(f"cedar agent run: --stated-values is an option of function-calling, not of {args.name}", file=sys.stderr)
+        return 2
     with connect(url=args.server, model=None if args.server else args.model) as backend:
-        result = run_agent(args.name, backend, task)
+        result = run_agent(args.name, backend, task, stated_values=args.stated_values)
     print_transcript(result)
     write_json(args.json, result)
     return 0
@@ -108,6 +111,9 @@ def register(sub) -> None:
     _add_server_choice(run)
     run.add_argument("--task", default=None, help="task file (function-calling: a task list; others: one JSON object)")
     run.add_argument("--json", default=None, help="also write the whole result here")
+    run.add_argument("--stated-values", action="store_true",
+                     help="function-calling: narrow every free argument value to the values the conversation "
+                          "states (PICARD-style; report its figures apart)")
     run.set_defaults(fn=_cmd_agent_run)
     reuse = verbs.add_parser("reuse", help="run every agent once on one server; print each one's cached share "
                                            "and snapshot-continued share")

@@ -48,6 +48,11 @@ def run_heldout(backend, task: DemoTask) -> bool:
     print_transcript(result)
     ok = outcome_ok(task, result)
     print(f"[demo] solved ({CHECKS[task.agent]}): {'yes' if ok else 'no'}")
+    if task.agent == "function-calling":  # the frontend's help, reported apart (cedar.frontend.stated_values)
+        narrowed = run_agent(task.agent, backend, task.inputs, stated_values=True)
+        calls = [f"{c['got_name']}({c['got_arguments']})" for c in narrowed["scores"]["per_task"][task.inputs["name"]]]
+        print(f"[demo] again with every free argument value narrowed to the values the conversation states "
+              f"(--stated-values): {'; '.join(calls)}; solved: {'yes' if outcome_ok(task, narrowed) else 'no'}")
     return ok
 
 

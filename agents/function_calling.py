@@ -19,7 +19,10 @@ Task file: a JSON list of tasks (or one task per line, JSONL). A task:
 
 Each turn: the user message, then one assistant message with as many constrained calls as the
 turn expects (the name among the task's tools, the arguments by that tool's schema with default
-bounds added), then one tool message per call (`results[k]`, or "ok").
+bounds added), then one tool message per call (`results[k]`, or "ok"). With ``stated_values``
+(`run_tasks(..., stated_values=True)`, `cedar evaluate --stated-values`) every free argument value
+is further narrowed to the values the user's messages and the tool results so far state
+(`cedar.frontend.stated_values`): a frontend's help, whose figures are reported apart.
 
 Scoring, per call: **name** right; **arguments** right when every expected value is there and
 equal (JSON equality: key order does not matter, 1 == 1.0) and nothing else is, except that an
@@ -47,6 +50,7 @@ import sglang as sgl
 from cedar.frontend.calls import ConstrainedCallError, gen_call
 from cedar.frontend.chat import system_text, tool
 from cedar.frontend.endpoint import label
+from cedar.frontend.stated_values import StatedValues
 from cedar.frontend.tools import ToolRegistry
 
 
@@ -332,38 +336,44 @@ def summarize(per_task: dict[str, list[CallScore]], errors: list[TaskError] = ()
 
 
 @sgl.function
-def function_calling(s, task: dict, temperature: float = 0.0):
+def function_calling(s, task: dict, temperature: float = 0.0, stated_values: bool = False):
     """One task: returns {"scores": [CallScore, ...], "error": None or why it stopped}; a gen the
-    server refuses ends the task with its error, not the batch."""
+    server refuses ends the task with its error, not the batch. stated_values: every free
+    argument value narrowed to those the user's messages and the tool results so far state
+    (`cedar.frontend.stated_values`)."""
     label(s, task["name"])
     registry = ToolRegistry.from_openai(task["tools"])
     required = required_arguments(task["tools"])
     s += sgl.system(system_text(task.get("system"), registry.openai_tools()))
-    scores = []
+    scores, said = [], []  # said: the user's messages and the tool results, in order
     try:
         for t, turn in enumerate(task["turns"]):
             s += sgl.user(turn["user"])
+            said.append(turn["user"])
             context = s.text()  # the conversation before this turn's calls
+            stated = StatedValues.of(said) if stated_values else None
             s += sgl.assistant_begin()
-            calls = [gen_call(s, registry, f"t{t}c{k}", temperature=temperature)
+            calls = [gen_call(s, registry, f"t{t}c{k}", temperature=temperature, stated=stated)
                      for k in range(len(turn["expected"]))]
             s += sgl.assistant_end()
             results = turn.get("results") or []
             for k, (call, expected) in enumerate(zip(calls, turn["expected"])):
                 scores.append(score_call(t, k, expected, call.name, call.arguments, required[expected["name"]], context))
                 s += tool(results[k] if k < len(results) else "ok")
+                said.append(results[k] if k < len(results) else "ok")
     except ConstrainedCallError as e:
         return {"scores": scores, "error": str(e)[:300]}
     return {"scores": scores, "error": None}
 
 
-def run_tasks(tasks: list | TaskSet, backend, temperature: float = 0.0) -> dict:
+def run_tasks(tasks: list | TaskSet, backend, temperature: float = 0.0, stated_values: bool = False) -> dict:
     """Check every task (a list) or take a file's checked `TaskSet`, run the good ones as one
-    batch and score them; the bad ones are errors in the summary."""
+    batch and score them; the bad ones are errors in the summary. stated_values: see
+    `function_calling`."""
     ts = tasks if isinstance(tasks, TaskSet) else check_tasks(tasks)
     errors = list(ts.errors)
-    states = function_calling.run_batch([dict(task=t, temperature=temperature) for t in ts.tasks],
-                                        backend=backend) if ts.tasks else []
+    states = function_calling.run_batch([dict(task=t, temperature=temperature, stated_values=stated_values)
+                                         for t in ts.tasks], backend=backend) if ts.tasks else []
     per_task = {}
     for i, t, st in zip(ts.indices, ts.tasks, states):
         out = st.ret_value

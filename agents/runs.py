@@ -56,12 +56,12 @@ def run_subagents(backend, task: dict | None) -> dict:
     return {"session": state.ret_value.to_json(), "text": state.text(), "child_texts": state["child_texts"]}
 
 
-def run_function_calling(backend, task: dict | list | fc.TaskSet | None) -> dict:
+def run_function_calling(backend, task: dict | list | fc.TaskSet | None, stated_values: bool = False) -> dict:
     """A task, a task list or a file's `TaskSet` (default: the example file); a bad task is an
-    error in `scores["errors"]`, the others still run."""
+    error in `scores["errors"]`, the others still run. stated_values: see `fc.function_calling`."""
     tasks = task if isinstance(task, (list, fc.TaskSet)) else [task] if task else \
         fc.read_tasks(TASKS_DIR / "function_calling.json")
-    return {"scores": fc.run_tasks(tasks, backend)}
+    return {"scores": fc.run_tasks(tasks, backend, stated_values=stated_values)}
 
 
 AGENTS: dict[str, Callable] = {
@@ -90,11 +90,15 @@ def load_task(name: str, path: str | None):
     return task
 
 
-def run_agent(name: str, backend, task=None) -> dict:
+def run_agent(name: str, backend, task=None, stated_values: bool = False) -> dict:
+    """Run agent ``name`` on ``task``; stated_values (the function-calling runner only): narrow
+    every free argument value to those the conversation states."""
     if name not in AGENTS:
         raise ValueError(f"unknown agent {name!r}; agents: {', '.join(AGENTS)}")
+    if stated_values and name != "function-calling":
+        raise ValueError(f"--stated-values is an option of the function-calling runner, not of {name!r}")
     backend.take_records()
-    result = AGENTS[name](backend, task)
+    result = AGENTS[name](backend, task, stated_values=True) if stated_values else AGENTS[name](backend, task)
     records = backend.take_records()
     return {"agent": name, **result, "records": [asdict(r) for r in records],
             "reuse": reuse_figures(records).to_json()}

@@ -313,11 +313,11 @@ def _split_tasks(seed: int, split: str, kinds: list[str] | None, limit: int | No
     return tasks, None
 
 
-def _evaluate_split(srv, model: str, tasks, tok, kinds, loop_requests: int) -> dict:
+def _evaluate_split(srv, model: str, tasks, tok, kinds, loop_requests: int, stated_values: bool = False) -> dict:
     from cedar.frontend.endpoint import CedarEndpoint
 
     from cedar.agents.api_loop import run_loops
-    from cedar.drivers.evaluate import evaluate_tasks, template_of, unconstrained_calls
+    from cedar.drivers.evaluate import evaluate_tasks, stated_value_calls, template_of, unconstrained_calls
 
     agent_kinds = [t for t in tasks if not kinds or t.kind in kinds]
     out = evaluate_tasks(CedarEndpoint(srv.url), agent_kinds, tok)
@@ -325,6 +325,8 @@ def _evaluate_split(srv, model: str, tasks, tok, kinds, loop_requests: int) -> d
     fc = [t for t in tasks if t.agent == "function-calling"]
     if fc and (not kinds or "function-calling" in kinds):
         out["unconstrained_calls"] = unconstrained_calls(srv.url, model, fc)
+        if stated_values:
+            out["function_calling_stated"] = stated_value_calls(CedarEndpoint(srv.url), fc)
     if fc and (not kinds or "api-loop" in kinds):
         out["api_loop"] = run_loops(srv.url, model, [t.inputs for t in fc], loop_requests)
     return out
@@ -344,7 +346,8 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         for split, (tasks, note) in drawn.items():
             print(f"[evaluate] split {split}: {len(tasks or [])} tasks" + (f" ({note})" if note else ""), flush=True)
             report["splits"][split] = {"note": note, **(_evaluate_split(srv, info["model_path"], tasks, tok, args.kinds,
-                                                                        args.loop_requests) if tasks else {})}
+                                                                        args.loop_requests, args.stated_values)
+                                                        if tasks else {})}
     print(evaluate_table(report))
     write_json(args.json, report)
     return 0
@@ -371,6 +374,14 @@ def evaluate_table(report: dict) -> str:
             if fc.get("values_missed"):
                 lines.append("  values not right: " + ", ".join(f"{why.replace('_', ' ')} {n}"
                                                               for why, n in fc["values_missed"].items()))
+        st = r.get("function_calling_stated")
+        if st and st["tasks"]:
+            lines.append(f"function calls narrowed to stated values (apart): names {st['names_ok']}/{st['calls']}, "
+                         f"arguments {st['calls_ok']}/{st['calls']}, exact {st['calls_exact']}/{st['calls']}, "
+                         f"values {st['values_ok']}/{st['values']}; tasks {st['tasks_ok']}/{st['tasks']} "
+                         f"({st['task_errors']} in error)")
+            lines.append("  values not right: " + ", ".join(f"{why.replace('_', ' ')} {n}"
+                                                          for why, n in st["values_missed"].items()))
         u = r.get("unconstrained_calls")
         if u:
             lines.append(f"unconstrained tool calls: {u['valid']}/{u['calls']} valid ({u['valid_share']:.1%}), "
@@ -448,6 +459,9 @@ def register(sub) -> None:
                     help="splits to run, each reported apart (default: both)")
     ev.add_argument("--loop-requests", type=int, default=6,
                     help="OpenAI-API loops: at most this many requests per user turn")
+    ev.add_argument("--stated-values", action="store_true",
+                    help="also run the function-calling tasks with every free argument value narrowed to the "
+                         "values the conversation states (reported apart: function_calling_stated)")
     ev.add_argument("--json", default=None)
     ev.set_defaults(fn=_cmd_evaluate)
 

@@ -17,7 +17,11 @@ task has none). Per split:
   answers; a turn's calls may come one request at a time, each after the previous result, as a
   client loop takes them), with why each call that is not valid is not;
 - **the OpenAI-API loop** (`api_loop`): the function-calling tasks as client loops; how many end
-  on their own, hit the limit, are solved.
+  on their own, hit the limit, are solved;
+- with ``--stated-values``, **calls narrowed to stated values** (`function_calling_stated`): the
+  function-calling tasks again, every free argument value constrained to the values the
+  conversation states (`cedar.frontend.stated_values`, PICARD-style): a frontend's help, so its
+  figures are reported apart from the plain constrained ones, never in their place.
 
 A task whose run fails (the server refuses a gen, a tool raises, a malformed task) is an error
 for that task, reported with its index, kind and reason, and counted as not solved; the others
@@ -160,6 +164,18 @@ def evaluate_tasks(backend, tasks: list[Task], tokenizer=None, log=print) -> dic
 def run_tasks(backend, tasks: list[Task], tokenizer=None, log=print) -> dict:
     """Per kind: tasks, successes, success rate (recall tasks also carry their distances)."""
     return evaluate_tasks(backend, tasks, tokenizer, log)["per_kind"]
+
+
+def stated_value_calls(backend, tasks: list[Task]) -> dict:
+    """The function-calling tasks run again with every free argument value narrowed to the values
+    the user's messages and the tool results state (`function_calling.run_tasks(stated_values=True)`),
+    scored as the plain runs are: the summary's counts and shares, its errors, and up to five calls
+    that are not right."""
+    from cedar.agents.function_calling import run_tasks as run_fc_tasks
+
+    summary = run_fc_tasks([t.inputs for t in tasks if t.agent == "function-calling"], backend, stated_values=True)
+    wrong = [c for calls in summary.pop("per_task").values() for c in calls if not c["ok"]]
+    return {**summary, "examples": wrong[:5]}
 
 
 INVALID_REASONS = ("no call", "cut off", "unknown tool", "not JSON", "schema")

@@ -5,7 +5,8 @@ arguments + `CALL_TAIL`, from `cedar.backend.chat_template`), in two constrained
 
 1. the function name, `sgl.gen(regex="(name_1|name_2|...)")` (skipped when one tool is allowed);
 2. its arguments, `sgl.gen(json_schema=tool.grammar_parameters)`: bounded strings and numbers, so
-   the call ends inside `tool.max_tokens` whatever the model does.
+   the call ends inside `tool.max_tokens` whatever the model does. With `stated` (an opt-in
+   mode, `stated_values.py`) each free value is narrowed to the values the conversation states.
 
 Both gens end where their grammar ends (the server forces the end-of-sequence token there), so
 their outputs are carried forward token for token by `CedarEndpoint` and the next request's hit
@@ -22,6 +23,8 @@ import sglang as sgl
 
 from .chat import CALL_HEAD, CALL_MID, CALL_TAIL, tool
 from .endpoint import executor_of
+from .schema import grammar_schema, max_json_chars
+from .stated_values import StatedValues
 from .tools import Observation, ToolRegistry
 
 
@@ -43,10 +46,11 @@ def name_regex(names: list[str]) -> str:
 
 
 def gen_call(s, registry: ToolRegistry, var: str, names: list[str] | None = None,
-             temperature: float = 0.0) -> Call:
+             temperature: float = 0.0, stated: StatedValues | None = None) -> Call:
     """Append one constrained call to the open assistant message of `s`; return it.
 
-    `var` names the gens (`{var}_name`, `{var}_args`); `names` limits the choice of tools.
+    `var` names the gens (`{var}_name`, `{var}_args`); `names` limits the choice of tools;
+    `stated`: narrow every free argument value to the values the conversation states.
     """
     names = list(names or registry.names())
     if not names:
@@ -60,8 +64,9 @@ def gen_call(s, registry: ToolRegistry, var: str, names: list[str] | None = None
                      temperature=temperature)
         name = _value(s, f"{var}_name")
     spec = registry[name]
-    s += CALL_MID + sgl.gen(f"{var}_args", json_schema=json.dumps(spec.grammar_parameters),
-                            max_tokens=spec.max_tokens, temperature=temperature) + CALL_TAIL
+    grammar = spec.grammar_parameters if stated is None else grammar_schema(stated.narrow(spec.parameters))
+    s += CALL_MID + sgl.gen(f"{var}_args", json_schema=json.dumps(grammar),
+                            max_tokens=max_json_chars(grammar) + 1, temperature=temperature) + CALL_TAIL
     return Call(name, _value(s, f"{var}_args"))
 
 

@@ -21,6 +21,7 @@ from cedar.agents.steps import finish_tool, step
 from cedar.agents.subagents import CHILD_SYSTEM, PARENT_SYSTEM, delegate_tool
 from cedar.frontend.chat import system_text
 from cedar.frontend.endpoint import CedarEndpoint, label
+from cedar.frontend.stated_values import StatedValues
 from cedar.frontend.tools import ToolRegistry
 from test_tool_schemas import even
 
@@ -184,6 +185,18 @@ def test_function_calling_runner_scores_hand_written_tasks(checked_server, backe
     assert (summary["calls"], summary["calls_ok"], summary["tasks"], summary["tasks_ok"]) == (3, 2, 2, 1)
     calls = summary["per_task"]["colors"]
     assert [c["ok"] for c in calls] == [True, False] and calls[1]["got_arguments"] == '{"color": "red"}'
+
+
+def test_function_calling_runner_narrows_values_to_those_stated(checked_server, backend):
+    # random weights: whatever the model prefers, every free value is one the conversation stated
+    task = load_tasks("tests/data/fc_stated.json")[0]
+    calls = run_tasks([task], backend, stated_values=True)["per_task"]["stated"]
+    first, second = (json.loads(c["got_arguments"]) for c in calls)
+    assert first["count"] == 48213 and set(first["ids"]) <= {48213}  # the one integer stated
+    assert first["code"] in StatedValues.of([task["turns"][0]["user"]]).strings
+    said = [task["turns"][0]["user"], task["turns"][0]["results"][0], task["turns"][1]["user"]]
+    assert second["count"] in (48213, 777) and set(second["ids"]) <= {48213, 777}  # a tool result states 777
+    assert second["code"] in StatedValues.of(said).strings
 
 
 def test_cli_agent_run(checked_server, tmp_path):
