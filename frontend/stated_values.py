@@ -121,9 +121,12 @@ def _annotations(schema: dict) -> dict:
 
 
 def _in_range(x, schema: dict) -> bool:
+    """x within the leaf's bounds (and a whole multiple of an integer ``multipleOf``)."""
+    step = schema.get("multipleOf")
     return not (("minimum" in schema and x < schema["minimum"]) or ("maximum" in schema and x > schema["maximum"])
                 or ("exclusiveMinimum" in schema and x <= schema["exclusiveMinimum"])
-                or ("exclusiveMaximum" in schema and x >= schema["exclusiveMaximum"]))
+                or ("exclusiveMaximum" in schema and x >= schema["exclusiveMaximum"])
+                or (isinstance(step, int) and (not isinstance(x, int) or x % step)))
 
 
 def _spans(text: str) -> list[str]:

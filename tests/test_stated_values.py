@@ -59,6 +59,11 @@ def test_each_free_leaf_is_narrowed_to_the_stated_values_it_admits():
     assert n["required"] == SCHEMA["required"] and SCHEMA["properties"]["count"].get("enum") is None  # input kept
 
 
+def test_a_number_outside_a_leafs_multiple_is_not_admitted():
+    leaf = StatedValues.of(["pages 12, 15 or 20"]).narrow({"type": "integer", "minimum": 0, "maximum": 99, "multipleOf": 5})
+    assert set(admitted(leaf)) == {15, 20}
+
+
 def test_a_leaf_with_nothing_stated_for_it_keeps_its_schema():
     n = StatedValues.of(["nothing numeric here"]).narrow(SCHEMA)
     for key in ("count", "ratio", "ids", "where"):
