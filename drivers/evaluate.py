@@ -169,13 +169,13 @@ def run_tasks(backend, tasks: list[Task], tokenizer=None, log=print) -> dict:
 def stated_value_calls(backend, tasks: list[Task]) -> dict:
     """The function-calling tasks run again with every free argument value narrowed to the values
     the user's messages and the tool results state (`function_calling.run_tasks(stated_values=True)`),
-    scored as the plain runs are: the summary's counts and shares, its errors, and up to five calls
-    that are not right."""
+    scored as the plain runs are: the summary's counts and shares, its errors, and every call that
+    is not right (its task, expected and written call, and why each value missed)."""
     from cedar.agents.function_calling import run_tasks as run_fc_tasks
 
     summary = run_fc_tasks([t.inputs for t in tasks if t.agent == "function-calling"], backend, stated_values=True)
-    wrong = [c for calls in summary.pop("per_task").values() for c in calls if not c["ok"]]
-    return {**summary, "examples": wrong[:5]}
+    wrong = [{"task": name, **c} for name, calls in summary.pop("per_task").items() for c in calls if not c["ok"]]
+    return {**summary, "wrong_calls": wrong}
 
 
 INVALID_REASONS = ("no call", "cut off", "unknown tool", "not JSON", "schema")

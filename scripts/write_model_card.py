@@ -125,6 +125,13 @@ def evaluation_tables(splits: dict) -> str:
         rows.append(f"| {label} | " + " | ".join(
             frac(r["function_calling"][num], r["function_calling"][den]) if r.get("function_calling") else "-"
             for r in splits.values()) + " |")
+    if any(r.get("function_calling_stated") for r in splits.values()):  # cedar evaluate --stated-values
+        for label, num, den in (("function calls narrowed to stated values (frontend help, apart): exact",
+                                 "calls_exact", "calls"),
+                                ("function calls narrowed to stated values: values right", "values_ok", "values")):
+            rows.append(f"| {label} | " + " | ".join(
+                frac(r["function_calling_stated"][num], r["function_calling_stated"][den])
+                if r.get("function_calling_stated") else "-" for r in splits.values()) + " |")
     for label, num in (("OpenAI-API loops: end on their own", "ended"),
                        ("OpenAI-API loops: hit the turn limit", "hit_limit"), ("OpenAI-API loops: solved", "solved")):
         rows.append(f"| {label} | " + " | ".join(

@@ -320,6 +320,22 @@ def test_cli_evaluate_writes_both_splits_and_the_api_loops(tiny_server, tmp_path
     assert "OpenAI-API loops:" in proc.stdout and "answers that state their results" in proc.stdout
 
 
+def test_cli_evaluate_reports_calls_narrowed_to_stated_values_apart(tiny_server, tmp_path):
+    """`--stated-values` runs the function-calling tasks again under narrowing, reported beside
+    the plain figures: the same tasks, calls and values, and (a random model) no value made up."""
+    out = tmp_path / "eval.json"
+    proc = subprocess.run([sys.executable, "-m", "cedar.cli", "evaluate", "--server", tiny_server.url,
+                           "--kinds", "function-calling", "--limit", "2", "--splits", "heldout", "--stated-values",
+                           "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    split = json.loads(out.read_text())["splits"]["heldout"]
+    plain, stated = split["function_calling"], split["function_calling_stated"]
+    assert (stated["tasks"], stated["calls"], stated["values"]) == (plain["tasks"], plain["calls"], plain["values"])
+    assert stated["values_missed"]["stated_nowhere"] == 0 and not stated["errors"]
+    assert len(stated["wrong_calls"]) == stated["calls"] - stated["calls_ok"]
+    assert "narrowed to stated values (apart)" in proc.stdout
+
+
 def test_a_limit_above_the_heldout_count_draws_more_tasks_and_keeps_the_first():
     """`cedar evaluate --limit N` draws N tasks a generator and split, past the corpus's held-out
     count too; the default draw is its first tasks, unchanged."""
