@@ -1,6 +1,10 @@
 """The OpenAI-API agent loop, as a client application runs one: `/v1/chat/completions` through the
-`openai` client with a function-calling task's tools and `tool_choice: "auto"` (nothing
-constrains the output), greedy.
+`openai` client with a function-calling task's tools and `tool_choice: "auto"`, greedy. The tools
+are sent as the task gives them (``tools_mode="free"``: nothing constrains the output), or marked
+``strict`` (``"strict"``: the server constrains each call by its tool's schema), or marked strict
+and narrowed before every request to the values the conversation states so far (``"stated"``:
+`cedar.frontend.stated_values.narrow_tools`, a client's opt-in help; `cedar evaluate
+--stated-values` reports it apart).
 
 Per user turn of the task: send the conversation; while the reply has tool calls, answer each
 with a `tool` message (the task's result for a call it expects, matched by name and values, each
@@ -28,11 +32,13 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from cedar.backend.chat_template import TOOL_CALL_BEGIN
+from cedar.frontend.stated_values import narrow_tools
 from cedar.frontend.tools import ToolRegistry
 
 from .function_calling import arguments_match, parse_arguments, required_arguments, whole_value
 
 MAX_REQUESTS = 6
+TOOLS_MODES = ("free", "strict", "stated")
 ERROR_RESULT = "error: this call failed (unknown request); check the tool and its arguments"
 
 
@@ -142,11 +148,26 @@ def score_loop(turns: list[LoopTurn], required: dict[str, frozenset] | None = No
                      stating)
 
 
-def run_loop(client, model: str, task: dict, max_requests: int = MAX_REQUESTS) -> list[LoopTurn]:
-    """Run one function-calling task as an OpenAI-API loop; returns its transcript."""
+def request_tools(tools: list[dict], messages: list[dict], tools_mode: str) -> list[dict]:
+    """The ``tools`` a loop's next request sends in ``tools_mode`` (see the module doc)."""
+    if tools_mode == "free":
+        return tools
+    if tools_mode == "strict":
+        return [{**t, "function": {**t["function"], "strict": True}} for t in tools]
+    if tools_mode == "stated":
+        return narrow_tools(tools, messages)
+    raise ValueError(f"tools_mode must be one of {TOOLS_MODES}, got {tools_mode!r}")
+
+
+def run_loop(client, model: str, task: dict, max_requests: int = MAX_REQUESTS,
+             tools_mode: str = "free") -> list[LoopTurn]:
+    """Run one function-calling task as an OpenAI-API loop; returns its transcript. tools_mode: how
+    the tools are sent (one of ``TOOLS_MODES``, see the module doc)."""
     registry = ToolRegistry.from_openai(task["tools"])
     required = required_arguments(task["tools"])
     tools = registry.openai_tools()
+    if tools_mode not in TOOLS_MODES:
+        raise ValueError(f"tools_mode must be one of {TOOLS_MODES}, got {tools_mode!r}")
     budget = 2 * max(t.max_tokens for t in registry.tools.values()) + 64
     messages = [{"role": "system", "content": task["system"]}] if task.get("system") else []
     out = []
@@ -156,7 +177,8 @@ def run_loop(client, model: str, task: dict, max_requests: int = MAX_REQUESTS) -
         used = [False] * len(turn["expected"])
         messages.append({"role": "user", "content": turn["user"]})
         while t.requests < max_requests:
-            reply = client.chat.completions.create(model=model, messages=messages, tools=tools, tool_choice="auto",
+            reply = client.chat.completions.create(model=model, messages=messages,
+                                                   tools=request_tools(tools, messages, tools_mode), tool_choice="auto",
                                                    temperature=0, max_tokens=budget).choices[0].message
             t.requests += 1
             calls = reply.tool_calls or []
@@ -197,16 +219,19 @@ def pick_examples(transcripts: list[dict], examples: int) -> list[dict]:
 
 
 def run_loops(base_url: str, model: str, tasks: list[dict], max_requests: int = MAX_REQUESTS,
-              examples: int = 3) -> dict:
+              examples: int = 3, tools_mode: str = "free") -> dict:
     """Every task as a loop: how many end on their own, hit the limit, are solved; calls right;
-    `examples` transcripts (:func:`pick_examples`). A task whose requests fail is an error."""
+    `examples` transcripts (:func:`pick_examples`). A task whose requests fail is an error.
+    tools_mode: how the tools are sent (see the module doc)."""
     from openai import OpenAI
 
+    if tools_mode not in TOOLS_MODES:  # NOTE: not an error per task
+        raise ValueError(f"tools_mode must be one of {TOOLS_MODES}, got {tools_mode!r}")
     client = OpenAI(base_url=base_url.rstrip("/") + "/v1", api_key="none")
     scores, transcripts, errors = [], [], []
     for i, task in enumerate(tasks):
         try:
-            turns = run_loop(client, model, task, max_requests)
+            turns = run_loop(client, model, task, max_requests, tools_mode)
         except Exception as e:  # noqa: BLE001 - a loop the server refused is an error for that task
             errors.append({"index": i, "name": task.get("name"), "reason": repr(e)[:300]})
             continue
@@ -215,7 +240,8 @@ def run_loops(base_url: str, model: str, tasks: list[dict], max_requests: int = 
         transcripts.append({"task": task.get("name"), "score": asdict(sc), "turns": [asdict(t) for t in turns]})
     shown = pick_examples(transcripts, examples)
     n = len(scores) + len(errors)
-    return {"loops": n, "ended": sum(s.ended for s in scores), "hit_limit": sum(s.hit_limit for s in scores),
+    return {"tools_mode": tools_mode, "loops": n, "ended": sum(s.ended for s in scores),
+            "hit_limit": sum(s.hit_limit for s in scores),
             "markup_answers": sum(s.markup_answer for s in scores), "solved": sum(s.solved for s in scores),
             "calls_expected": sum(s.calls_expected for s in scores), "calls_right": sum(s.calls_right for s in scores),
             "calls_made": sum(s.calls_made for s in scores), "max_requests_per_turn": max_requests,

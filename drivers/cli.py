@@ -329,6 +329,10 @@ def _evaluate_split(srv, model: str, tasks, tok, kinds, loop_requests: int, stat
             out["function_calling_stated"] = stated_value_calls(CedarEndpoint(srv.url), fc)
     if fc and (not kinds or "api-loop" in kinds):
         out["api_loop"] = run_loops(srv.url, model, [t.inputs for t in fc], loop_requests)
+        if stated_values:  # NOTE: the constraint alone, then with the narrowing: each one's share apart
+            for mode in ("strict", "stated"):
+                out[f"api_loop_{mode}"] = run_loops(srv.url, model, [t.inputs for t in fc], loop_requests,
+                                                    tools_mode=mode)
     return out
 
 
@@ -390,20 +394,27 @@ def evaluate_table(report: dict) -> str:
                          f"in one reply")
             if any(u["invalid"].values()):
                 lines.append("  not valid: " + ", ".join(f"{why} {n}" for why, n in u["invalid"].items() if n))
-        lp = r.get("api_loop")
-        if lp:
-            lines.append(f"OpenAI-API loops: {lp['ended']}/{lp['loops']} end on their own, "
-                         f"{lp['hit_limit']} hit the limit "
-                         f"of {lp['max_requests_per_turn']}, {lp['solved']} solved; calls right "
-                         f"{lp['calls_right']}/{lp['calls_expected']} ({lp['calls_made']} made); turns at the "
-                         f"limit: {lp['turns_at_limit_after_right_calls']} after right calls, "
-                         f"{lp['turns_at_limit_after_errors']} after errors")
-            if "answers_after_results" in lp:
-                lines.append(f"  answers that state their results: {lp['answers_stating_results']}/"
-                             f"{lp['answers_after_results']} (turns answered after results worth reporting)")
+        for key, what in (("api_loop", ""), ("api_loop_strict", " with strict tools (apart)"),
+                          ("api_loop_stated", " with strict tools narrowed to stated values (apart)")):
+            lines += _loop_lines(r.get(key), what)
         if r.get("errors"):
             lines.append(f"errors: {len(r['errors'])} tasks (see the JSON)")
     return "\n".join(lines)
+
+
+def _loop_lines(lp: dict | None, what: str) -> list[str]:
+    """The lines of one `run_loops` block (none where the split has none)."""
+    if not lp:
+        return []
+    lines = [f"OpenAI-API loops{what}: {lp['ended']}/{lp['loops']} end on their own, {lp['hit_limit']} hit the "
+             f"limit of {lp['max_requests_per_turn']}, {lp['solved']} solved; calls right "
+             f"{lp['calls_right']}/{lp['calls_expected']} ({lp['calls_made']} made); turns at the "
+             f"limit: {lp['turns_at_limit_after_right_calls']} after right calls, "
+             f"{lp['turns_at_limit_after_errors']} after errors"]
+    if "answers_after_results" in lp:
+        lines.append(f"  answers that state their results: {lp['answers_stating_results']}/"
+                     f"{lp['answers_after_results']} (turns answered after results worth reporting)")
+    return lines
 
 
 def _cmd_fidelity(args: argparse.Namespace) -> int:
@@ -461,7 +472,9 @@ def register(sub) -> None:
                     help="OpenAI-API loops: at most this many requests per user turn")
     ev.add_argument("--stated-values", action="store_true",
                     help="also run the function-calling tasks with every free argument value narrowed to the "
-                         "values the conversation states (reported apart: function_calling_stated)")
+                         "values the conversation states (reported apart: function_calling_stated), and the "
+                         "OpenAI-API loops with strict tools, then strict tools narrowed before each request "
+                         "(api_loop_strict, api_loop_stated)")
     ev.add_argument("--json", default=None)
     ev.set_defaults(fn=_cmd_evaluate)
 

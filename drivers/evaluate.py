@@ -21,7 +21,10 @@ task has none). Per split:
 - with ``--stated-values``, **calls narrowed to stated values** (`function_calling_stated`): the
   function-calling tasks again, every free argument value constrained to the values the
   conversation states (`cedar.frontend.stated_values`, PICARD-style): a frontend's help, so its
-  figures are reported apart from the plain constrained ones, never in their place.
+  figures are reported apart from the plain constrained ones, never in their place; and the
+  OpenAI-API loops twice more (`api_loop_strict`: every tool sent ``strict``, so the server
+  constrains each call by its schema; `api_loop_stated`: strict and narrowed before each request,
+  `narrow_tools`): the narrowing's share apart from the constraint's.
 
 A task whose run fails (the server refuses a gen, a tool raises, a malformed task) is an error
 for that task, reported with its index, kind and reason, and counted as not solved; the others

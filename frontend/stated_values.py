@@ -27,6 +27,12 @@ normalised), the mode cannot write it; report its figures apart from the plain c
 
 Candidates are the most recent first and at most :data:`MAX_CANDIDATES` per leaf (a long tool
 result must not make a grammar of thousands of alternatives).
+
+Over the OpenAI API (`/v1/chat/completions`, the `openai` client): :func:`narrow_tools` gives a
+request's ``tools`` narrowed to what its ``messages`` state (the user and ``tool`` messages), each
+marked ``strict``, so the server constrains every call it parses by the narrowed schema, with
+``tool_choice`` ``auto`` as well as ``required`` (SGLang compiles strict tools' schemas into the
+call's grammar). A client narrows anew before each request, as the conversation grows.
 """
 
 from __future__ import annotations
@@ -105,6 +111,39 @@ class StatedValues:
         return out
 
 
+def said_texts(messages: list[dict]) -> list[str]:
+    """The texts an OpenAI-style chat states values in, in order: the ``user`` and ``tool``
+    messages' contents (a string, or the text parts of a list); not the system prompt, whose tool
+    schemas and instructions state no request's values, nor the assistant's own messages."""
+    out = []
+    for m in messages:
+        if m.get("role") not in ("user", "tool"):
+            continue
+        content = m.get("content")
+        if isinstance(content, str):
+            out.append(content)
+        elif isinstance(content, list):
+            out += [p["text"] for p in content if isinstance(p, dict) and p.get("type") == "text"
+                    and isinstance(p.get("text"), str)]
+    return out
+
+
+def narrow_tools(tools: list[dict], messages: list[dict]) -> list[dict]:
+    """OpenAI-style ``tools`` for the next request of the chat ``messages``: each function's
+    ``parameters`` narrowed to the values the chat states (:func:`said_texts`,
+    `StatedValues.narrow`) and ``strict`` set, so that the server constrains the calls by them.
+    ``tools`` is not changed. A function without parameters keeps none."""
+    stated = StatedValues.of(said_texts(messages))
+    out = []
+    for spec in tools:
+        fn = dict(spec["function"])
+        if "parameters" in fn:
+            fn["parameters"] = stated.narrow(fn["parameters"])
+        fn["strict"] = True
+        out.append({**spec, "function": fn})
+    return out
+
+
 def admitted(leaf: dict) -> list | None:
     """The values a leaf `StatedValues.narrow` wrote admits (None for a leaf it did not narrow)."""
     if "enum" in leaf:
@@ -152,4 +191,4 @@ def _spans(text: str) -> list[str]:
     return [s for s in spans if s and len(s) <= MAX_CHARS and _GRAMMAR_CHARS.fullmatch(s)]
 
 
-__all__ = ["StatedValues", "admitted", "MAX_WORDS", "MAX_CANDIDATES"]
+__all__ = ["StatedValues", "admitted", "narrow_tools", "said_texts", "MAX_WORDS", "MAX_CANDIDATES"]

@@ -322,11 +322,12 @@ def test_cli_evaluate_writes_both_splits_and_the_api_loops(tiny_server, tmp_path
 
 def test_cli_evaluate_reports_calls_narrowed_to_stated_values_apart(tiny_server, tmp_path):
     """`--stated-values` runs the function-calling tasks again under narrowing, reported beside
-    the plain figures: the same tasks, calls and values, and (a random model) no value made up."""
+    the plain figures: the same tasks, calls and values, and (a random model) no value made up;
+    and the OpenAI-API loops with strict tools, then strict and narrowed tools, each apart."""
     out = tmp_path / "eval.json"
     proc = subprocess.run([sys.executable, "-m", "cedar.cli", "evaluate", "--server", tiny_server.url,
-                           "--kinds", "function-calling", "--limit", "2", "--splits", "heldout", "--stated-values",
-                           "--json", str(out)], capture_output=True, text=True, timeout=600)
+                           "--kinds", "function-calling", "api-loop", "--limit", "2", "--splits", "heldout",
+                           "--stated-values", "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     split = json.loads(out.read_text())["splits"]["heldout"]
     plain, stated = split["function_calling"], split["function_calling_stated"]
@@ -334,6 +335,11 @@ def test_cli_evaluate_reports_calls_narrowed_to_stated_values_apart(tiny_server,
     assert stated["values_missed"]["stated_nowhere"] == 0 and not stated["errors"]
     assert len(stated["wrong_calls"]) == stated["calls"] - stated["calls_ok"]
     assert "narrowed to stated values (apart)" in proc.stdout
+    loops = [split[k] for k in ("api_loop", "api_loop_strict", "api_loop_stated")]
+    assert [lp["tools_mode"] for lp in loops] == ["free", "strict", "stated"]
+    assert all(lp["loops"] == 2 and not lp["errors"] for lp in loops)
+    assert "loops with strict tools (apart)" in proc.stdout
+    assert "loops with strict tools narrowed to stated values (apart)" in proc.stdout
 
 
 def test_a_limit_above_the_heldout_count_draws_more_tasks_and_keeps_the_first():

@@ -3,13 +3,16 @@ forced calls (`required`, a named function) always parse and validate against th
 schema, `strict` or not, streamed calls add up to exactly the non-streamed ones in every
 `tool_choice`, `auto` never leaks markup, a model pushed to write `</tool_call>` cannot put it in
 an argument, bad tool requests get a 400, a call sent back in the next turn re-tokenizes to what
-was cached; a `developer` message is a `system` one and `seed` makes sampling repeatable."""
+was cached; a `developer` message is a `system` one and `seed` makes sampling repeatable; tools a
+client narrowed to the chat's stated values (`narrow_tools`) get calls holding only those."""
 
 import json
 
 import jsonschema
 import openai
 import pytest
+
+from cedar.frontend.stated_values import StatedValues, narrow_tools
 
 pytestmark = pytest.mark.slow
 
@@ -217,3 +220,25 @@ def test_seed_makes_sampling_repeatable(checked_server, client):
     assert same[0] == same[1] and same[0]
     assert sample(seed=8) != same[0]
     assert sample() != sample()  # unseeded requests stay random
+
+
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_calls_to_tools_narrowed_to_stated_values_hold_only_those(checked_server, client, choice):
+    # random weights: whatever the model prefers, every value of a call is one the chat stated
+    messages = [{"role": "user", "content": 'Case narrowed-%s: weather in "Oslo" for 3 days, or Bergen for 5? '
+                 'Or compute 12*4.' % choice}]
+    tools = narrow_tools(TOOLS, messages)
+    strings = StatedValues.of([messages[0]["content"]]).strings
+    complete(client, messages, choice, stream=False, tools=tools)  # NOTE: then both below are hits on one prefix
+    plain = complete(client, messages, choice, stream=False, tools=tools)
+    streamed = complete(client, messages, choice, stream=True, tools=tools)
+    assert streamed[:2] == plain[:2]
+    if choice == "required":
+        assert len(plain[1]) == 1
+    for name, args in plain[1]:
+        values = json.loads(args)
+        jsonschema.validate(values, SCHEMAS[name])
+        if name == "get_weather":
+            assert values["days"] in (3, 5) and values["city"] in strings
+        else:
+            assert values["expression"] in strings

@@ -1,7 +1,8 @@
 """Arguments narrowed to the values a conversation states (`cedar.frontend.stated_values`): what
 counts as stated, which leaves are narrowed and to what, and that a leaf with nothing stated for it
-keeps its schema. The served path (a real server writing narrowed calls) is in
-tests/test_agents_server.py."""
+keeps its schema; OpenAI-style tools narrowed for a chat's next request (`narrow_tools`) and the
+API loop's ways of sending its tools. The served paths (a real server writing narrowed calls) are
+in tests/test_agents_server.py (the frontend) and tests/test_openai_tools.py (the `openai` client)."""
 
 import json
 
@@ -9,7 +10,8 @@ import jsonschema
 import pytest
 
 from cedar.frontend.schema import grammar_schema, max_json_chars, with_default_bounds
-from cedar.frontend.stated_values import MAX_CANDIDATES, MAX_WORDS, StatedValues, admitted
+from cedar.agents.api_loop import TOOLS_MODES, request_tools
+from cedar.frontend.stated_values import MAX_CANDIDATES, MAX_WORDS, StatedValues, admitted, narrow_tools, said_texts
 
 SCHEMA = with_default_bounds({
     "type": "object",
@@ -100,3 +102,43 @@ def test_candidates_are_capped_most_recent_first():
     enum = StatedValues.of(said).narrow({"type": "integer", "minimum": 0, "maximum": 5000})["enum"]
     assert len(enum) == MAX_CANDIDATES and enum[0] == 999
     json.dumps(enum)  # plain JSON values
+
+
+CHAT = [{"role": "system", "content": "Tools: ship(count 0-100000). Say 99 never."},
+        {"role": "user", "content": "Ship 48213 parcels."},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c0", "type": "function", "function": {"name": "ship", "arguments": '{"count": 31337}'}}]},
+        {"role": "tool", "tool_call_id": "c0", "content": '{"status": "ok", "next": 777}'},
+        {"role": "assistant", "content": "Shipped 65000."},
+        {"role": "user", "content": [{"type": "text", "text": "Then 12 more"}, {"type": "image_url", "image_url": {}}]}]
+SHIP = [{"type": "function", "function": {"name": "ship", "description": "Ship parcels.", "parameters": {
+    "type": "object", "properties": {"count": {"type": "integer", "minimum": 0, "maximum": 100000}},
+    "required": ["count"]}}},
+        {"type": "function", "function": {"name": "ping", "description": "No arguments."}}]
+
+
+def test_a_chat_states_values_in_its_user_and_tool_messages_only():
+    # not the system prompt, not the assistant's own calls or answers (31337, 65000)
+    assert said_texts(CHAT) == ["Ship 48213 parcels.", '{"status": "ok", "next": 777}', "Then 12 more"]
+
+
+def test_openai_tools_are_narrowed_to_what_the_chat_states_and_marked_strict():
+    before = json.dumps(SHIP)
+    ship, ping = narrow_tools(SHIP, CHAT)
+    assert ship["function"]["strict"] is True and ping["function"]["strict"] is True
+    assert ship["function"]["parameters"]["properties"]["count"]["enum"] == [12, 777, 48213]  # the latest first
+    assert ship["function"]["parameters"]["required"] == ["count"] and ship["function"]["name"] == "ship"
+    assert "parameters" not in ping["function"]
+    assert json.dumps(SHIP) == before  # the caller's tools are not changed
+    # nothing stated yet: the schema as given, strict
+    assert narrow_tools(SHIP, CHAT[:1])[0]["function"] == {**SHIP[0]["function"], "strict": True}
+
+
+def test_the_api_loop_sends_its_tools_free_strict_or_narrowed():
+    free, strict, stated = (request_tools(SHIP, CHAT, mode) for mode in TOOLS_MODES)
+    assert free is SHIP
+    assert [t["function"].get("strict") for t in strict] == [True, True]
+    assert strict[0]["function"]["parameters"] == SHIP[0]["function"]["parameters"]
+    assert stated == narrow_tools(SHIP, CHAT)
+    with pytest.raises(ValueError, match="tools_mode"):
+        request_tools(SHIP, CHAT, "narrow")
