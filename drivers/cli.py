@@ -137,10 +137,16 @@ def _cmd_bench_scheduler(args: argparse.Namespace) -> int:
             raise ValueError
     except ValueError:
         raise SystemExit(f"--cases: expected BATCHxCONTEXT[,BATCHxCONTEXT...], got {args.cases!r}") from None
+    try:
+        ttft = tuple(int(x) for x in args.ttft.split(",")) if args.ttft else ()
+        if any(n < 1 for n in ttft):
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"--ttft: expected LENGTH[,LENGTH...] (prompt tokens), got {args.ttft!r}") from None
     from cedar.backend.serving.planner import ServingFlags
 
     report = run_scheduler_bench(Path(args.model), cases, args.tokens, args.repeats,
-                                 flags=ServingFlags(weights=args.weights))
+                                 flags=ServingFlags(weights=args.weights), ttft=ttft, ttft_requests=args.ttft_requests)
     report["machine"] = machine_info()
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
@@ -259,6 +265,10 @@ def _add_bench(sub) -> None:
     s.add_argument("--tokens", type=int, default=200, help="tokens each request decodes")
     s.add_argument("--repeats", type=int, default=2, help="unsampled runs a case (their median tok/s)")
     s.add_argument("--cases", default="1x512,8x512", help="BATCHxCONTEXT, comma-separated")
+    s.add_argument("--ttft", default="", help="prompt lengths, comma-separated: cold requests one at a time, their "
+                   "TTFT and the scheduler's busy time a request (a request's fixed costs; default: none)")
+    s.add_argument("--ttft-requests", type=int, default=30, help="requests a --ttft length (each run, unsampled and "
+                   "sampled)")
     s.add_argument("--plot", default=None, help="also write a PNG (the buckets' shares a case) here")
     s.add_argument("--weights", choices=WEIGHT_CHOICES, default="float32", help="the server's --weights")
     s.set_defaults(fn=_cmd_bench_scheduler)

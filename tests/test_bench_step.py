@@ -1,6 +1,7 @@
 """``cedar bench step``: the in-process served step. Its hit case must really hit (the forward
 runs the replayed window and the new rows, not the whole prompt), its decode case one row per
-request, and the report names the ops a step issues."""
+request, its cold case every prompt row (nothing to hit), and the report names the ops a step
+issues."""
 
 import json
 import subprocess
@@ -21,7 +22,7 @@ def test_bench_step_runs_hits_as_hits_and_reports_the_ops(tiny_model_dir, tmp_pa
     W = CEDConfig.load(tiny_model_dir).sliding_window
     assert [c["case"] for c in report["cases"]] == [c.name for c in QUICK_CASES]
     for case, got in zip(QUICK_CASES, report["cases"]):
-        want_rows = case.batch if case.kind == "decode" else min(W, case.context) + case.new
+        want_rows = {"decode": case.batch, "cold": case.context}.get(case.kind, min(W, case.context) + case.new)
         assert got["rows"] == want_rows, got
         assert 0 < got["ms_best"] <= got["ms_median"] and got["aten_ops"] > 0
         # the matmuls: ATen's, or inside the fast backend's one-call ops on a decode step (a layer or the whole step)

@@ -14,6 +14,14 @@ The scheduler's samples are put in one bucket each (:data:`BUCKETS`, first match
 reported as shares, with the frames that hold the most samples themselves. Shares, not times:
 a sample lands at the next bytecode boundary (see the sampler's note), and sampling slows the
 server a little, so the tok/s figures come from the unsampled runs.
+
+With ``--ttft L[,L...]``, per prompt length L a request's fixed costs: ``requests`` cold prompts of
+L fresh tokens sent one at a time (streamed, one output token, :data:`TTFT_GAP_S` apart), their
+median time to first token unsampled, then the same again sampled: the scheduler's busy time per
+request (its samples outside the idle wait, ``--sleep-on-idle``'s poll, times the period) and
+those samples' buckets. TTFT less the scheduler's busy time is what the request spends in the
+HTTP server, the tokenizer manager, the detokenizer and between them; the model's own share is
+``cedar bench step``'s cold case.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from cedar.backend.serving.stack_sampler import ENV, PERIOD_S
 
 from cedar.backend.serving.runtime import DECODE_THREADS_SWITCH
 
-from .common import set_switch
+from .common import fresh_ids, set_switch
 from .engine import ENGINE_FLAGS, SGLangClient, decode_rate
 
 # (bucket, a frame the stack must hold); the first match names a sample's bucket
@@ -48,6 +56,16 @@ BUCKETS = (
 )
 OTHER = "other scheduler loop"
 SCHEDULER_FRAME = "scheduler.py:run_scheduler_process"
+IDLE_FRAME = "scheduler.py:maybe_sleep_on_idle"  # the idle wait (`--sleep-on-idle`, which ENGINE_FLAGS pass)
+TTFT_GAP_S = 0.05
+# the buckets of a cold request: its prefill, as well as the scheduler's own work around it
+TTFT_BUCKETS = (
+    ("Cedar: prefill forward (Python and kernels)", "served_model.py:forward"),
+    ("SGLang: prefill scheduling and slot allocation", "scheduler.py:get_next_batch_to_run"),
+    ("SGLang: results and streaming to the detokenizer", "scheduler.py:process_batch_result"),
+    ("SGLang: forward set-up and sampling", "scheduler.py:run_batch"),
+    ("SGLang: receiving requests", "scheduler.py:ingest_requests"),
+)
 
 
 def read_stacks(path: Path) -> collections.Counter:
@@ -58,24 +76,32 @@ def read_stacks(path: Path) -> collections.Counter:
     return counts
 
 
-def bucket_of(stack: str) -> str:
+def bucket_of(stack: str, buckets=BUCKETS) -> str:
     frames = set(stack.split(";"))
-    return next((name for name, frame in BUCKETS if frame in frames), OTHER)
+    return next((name for name, frame in buckets if frame in frames), OTHER)
 
 
-def breakdown(counts: collections.Counter, top: int = 12) -> dict:
+def breakdown(counts: collections.Counter, top: int = 12, buckets=BUCKETS) -> dict:
     """Shares of the samples by bucket, and the frames that hold the most samples themselves."""
     total = sum(counts.values())
     if not total:
         raise ValueError("no samples to break down")
-    buckets: collections.Counter = collections.Counter()
+    shares: collections.Counter = collections.Counter()
     own: collections.Counter = collections.Counter()
     for stack, n in counts.items():
-        buckets[bucket_of(stack)] += n
+        shares[bucket_of(stack, buckets)] += n
         own[stack.rsplit(";", 1)[-1]] += n
     return {"samples": total,
-            "buckets": {name: round(buckets[name] / total, 4) for name in [b for b, _ in BUCKETS] + [OTHER]},
+            "buckets": {name: round(shares[name] / total, 4) for name in [b for b, _ in buckets] + [OTHER]},
             "top_self_frames": [{"frame": f, "share": round(n / total, 4)} for f, n in own.most_common(top)]}
+
+
+def busy_breakdown(counts: collections.Counter, requests: int, top: int = 12) -> dict:
+    """The scheduler's samples of ``requests`` cold requests: its busy time per request (the
+    samples outside the idle wait, times the sampling period) and the busy samples' buckets."""
+    busy = collections.Counter({stack: n for stack, n in counts.items() if IDLE_FRAME not in stack.split(";")})
+    return {"busy_ms_per_request": round(1000 * PERIOD_S * sum(busy.values()) / requests, 2),
+            "idle_samples": sum(counts.values()) - sum(busy.values()), **breakdown(busy, top, TTFT_BUCKETS)}
 
 
 def scheduler_stacks(directory: Path, timeout_s: float = 5.0) -> collections.Counter:
@@ -92,9 +118,36 @@ def scheduler_stacks(directory: Path, timeout_s: float = 5.0) -> collections.Cou
         time.sleep(10 * PERIOD_S)
 
 
+def ttft_case(client, sample_dir: Path, length: int, requests: int, vocab: int, seed: int) -> dict:
+    """One ``--ttft`` length (see the module doc)."""
+    def run() -> list[float]:
+        times = []
+        for i in range(requests):
+            time.sleep(TTFT_GAP_S)
+            times.append(client.stream_generate(fresh_ids(seed + i, length, vocab), max_new_tokens=1).ttft_ms)
+        return times
+
+    times = run()
+    seed += requests
+    (sample_dir / "on").touch()
+    try:
+        sampled = run()
+    finally:
+        (sample_dir / "on").unlink()
+    counts = scheduler_stacks(sample_dir)
+    for done in sample_dir.glob("stacks-*.txt"):
+        done.unlink()
+    return {"case": f"cold ttft {length}", "prompt_tokens": length, "requests": requests,
+            "ttft_ms": round(statistics.median(times), 2), "ttft_ms_runs": [round(t, 2) for t in times],
+            "ttft_ms_while_sampled": round(statistics.median(sampled), 2),
+            "scheduler": busy_breakdown(counts, requests)}
+
+
 def run_scheduler_bench(model_dir: Path, cases: tuple[tuple[int, int], ...] = ((1, 512), (8, 512)),
-                        tokens: int = 200, repeats: int = 2, log=print, flags=None) -> dict:
-    """flags: the server's ServingFlags (None: the defaults)."""
+                        tokens: int = 200, repeats: int = 2, log=print, flags=None, ttft: tuple[int, ...] = (),
+                        ttft_requests: int = 30) -> dict:
+    """flags: the server's ServingFlags (None: the defaults). ttft: prompt lengths of the cold
+    requests' cases (see the module doc), ``ttft_requests`` requests each."""
     from cedar.backend.config import CEDConfig
 
     vocab = CEDConfig.load(model_dir).vocab_size
@@ -138,6 +191,14 @@ def run_scheduler_bench(model_dir: Path, cases: tuple[tuple[int, int], ...] = ((
                 log(f"[bench scheduler] {case['case']}: {case['tok_s']} tok/s ({case['ms_per_step']} ms a step; every "
                     f"step on the server's threads: {case['tok_s_decode_on_server_threads']} tok/s); "
                     + ", ".join(f"{k} {v:.0%}" for k, v in case["scheduler"]["buckets"].items() if v >= 0.02))
+            report["ttft_cases"] = []
+            for length in ttft:
+                case = ttft_case(client, sample_dir, length, ttft_requests, vocab, 50_000 + 1000 * length)
+                report["ttft_cases"].append(case)
+                sched = case["scheduler"]
+                log(f"[bench scheduler] {case['case']}: TTFT {case['ttft_ms']} ms, the scheduler busy "
+                    f"{sched['busy_ms_per_request']} ms a request (sampled: TTFT {case['ttft_ms_while_sampled']} ms); "
+                    + ", ".join(f"{k} {v:.0%}" for k, v in sched["buckets"].items() if v >= 0.02))
     finally:
         if saved is None:
             os.environ.pop(ENV, None)

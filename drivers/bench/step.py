@@ -9,7 +9,9 @@ less noisy than a server's. Cases:
   (one new row per request);
 - ``hit``: one request prefilled to C tokens, then a new request whose prompt holds those C and
   ``new`` more, admitted on the first request's slots (a prefix hit of C): its forward replays
-  min(W, C) rows, then runs the new ones (the row count is in the report).
+  min(W, C) rows, then runs the new ones (the row count is in the report);
+- ``cold``: a new request of C fresh tokens, prefilled in one forward (the model's share of a
+  short request's fixed cost; the server's share is ``cedar bench scheduler --ttft``'s).
 
 Per case: the step's wall time (median and best of ``repeats``), the ATen ops a step issues and
 the ops that take the most self time (``torch.profiler`` over 3 more steps). The figures for the
@@ -33,19 +35,21 @@ from cedar.kernels.dispatch import KernelSet
 
 @dataclass(frozen=True)
 class Case:
-    kind: str  # "decode" | "hit"
+    kind: str  # "decode" | "hit" | "cold"
     batch: int
     context: int
     new: int = 1
 
     @property
     def name(self) -> str:
+        if self.kind == "cold":
+            return f"cold {self.context}"
         return f"decode b{self.batch} ctx{self.context}" if self.kind == "decode" else f"hit {self.context} + {self.new}"
 
 
 DEFAULT_CASES = (Case("decode", 1, 512), Case("decode", 8, 512), Case("decode", 1, 4096), Case("hit", 1, 4096, 16),
-                 Case("hit", 1, 4096, 128))
-QUICK_CASES = (Case("decode", 1, 256), Case("decode", 4, 256), Case("hit", 1, 512, 16))
+                 Case("hit", 1, 4096, 128), Case("cold", 1, 16), Case("cold", 1, 512))
+QUICK_CASES = (Case("decode", 1, 256), Case("decode", 4, 256), Case("hit", 1, 512, 16), Case("cold", 1, 64))
 
 
 def _ids(seed: int, n: int, vocab: int) -> list[int]:
@@ -62,7 +66,8 @@ def measure_case(model, case: Case, repeats: int, profile_top: int = 8) -> dict:
     """One case on a fresh driver: {"case", "rows", "ms_median", "ms_best", "aten_ops", "top_ops"}."""
     vocab = model.cfg.vocab_size
     n_reqs = case.batch if case.kind == "decode" else 2 + repeats + 3 + 3
-    d = Driver(model, num_slots=(case.context + case.new) * (case.batch + 1) + case.new * n_reqs + 4096,
+    fresh = case.context * n_reqs if case.kind == "cold" else 0  # NOTE: every cold request its own slots
+    d = Driver(model, num_slots=(case.context + case.new) * (case.batch + 1) + case.new * n_reqs + 4096 + fresh,
                num_reqs=n_reqs, max_len=case.context + case.new + repeats + 16)
     if case.kind == "decode":
         reqs = [Req(f"r{b}", b, _ids(b, case.context, vocab)) for b in range(case.batch)]
@@ -73,6 +78,12 @@ def measure_case(model, case: Case, repeats: int, profile_top: int = 8) -> dict:
             for r in reqs:
                 r.ids.append(5)
             return d.run([(r, 1) for r in reqs])
+    elif case.kind == "cold":
+        count = iter(range(n_reqs))
+
+        def step():
+            i = next(count)  # a new request of fresh tokens each time: no prefix to hit
+            return d.run([(Req(f"cold{i}", i, _ids(10_000 + i, case.context, vocab)), case.context)])
     else:
         ids = _ids(0, case.context + case.new, vocab)
         donor = Req("donor", 0, ids[:case.context])
