@@ -14,7 +14,8 @@ free leaf of the arguments' schema to them:
 - a ``string`` to the stated spans that fit its bounds (length, ``pattern``): every double-quoted
   span, and every run of 1 to :data:`MAX_WORDS` consecutive words not broken by punctuation (a
   word: a run of non-space, its outer punctuation stripped), printable ASCII without ``"`` and
-  ``\\`` (what the grammar's strings admit, `schema.grammar_schema`);
+  ``\\`` (what the grammar's strings admit, `schema.grammar_schema`), never holding ``</``
+  (closing markup, which the server's argument strings refuse);
 - arrays through their items, objects through their properties, ``anyOf`` / ``oneOf`` through
   each branch.
 
@@ -135,7 +136,9 @@ def narrow_tools(tools: list[dict], messages: list[dict]) -> list[dict]:
     ``tools`` is not changed. A function without parameters keeps none."""
     stated = StatedValues.of(said_texts(messages))
     out = []
-    for spec in tools:
+    for i, spec in enumerate(tools):
+        if not isinstance(spec, dict) or not isinstance(spec.get("function"), dict):
+            raise ValueError(f"tools[{i}] is not an OpenAI function tool ({{'type': 'function', 'function': {{...}}}})")
         fn = dict(spec["function"])
         if "parameters" in fn:
             fn["parameters"] = stated.narrow(fn["parameters"])
@@ -188,7 +191,9 @@ def _spans(text: str) -> list[str]:
             if j > i and (words[j - 1][3] or words[j][2]):
                 break
             spans.append(text[words[i][0]:words[j][1]])
-    return [s for s in spans if s and len(s) <= MAX_CHARS and _GRAMMAR_CHARS.fullmatch(s)]
+    # NOTE: no `</`: a call's argument never spells closing markup (the server's strings refuse it,
+    # `tool_call_hooks.markup_free_strings`); a candidate is a literal the grammar would let through
+    return [s for s in spans if s and len(s) <= MAX_CHARS and _GRAMMAR_CHARS.fullmatch(s) and "</" not in s]
 
 
 __all__ = ["StatedValues", "admitted", "narrow_tools", "said_texts", "MAX_WORDS", "MAX_CANDIDATES"]

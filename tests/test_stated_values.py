@@ -41,6 +41,9 @@ def test_strings_are_quoted_spans_and_runs_of_words_with_outer_punctuation_strip
     assert "(office)," not in sv.strings and "office), quickly" not in sv.strings  # no run across punctuation
     assert "to \"New York\"" not in sv.strings  # the grammar's strings hold no '"'
     assert "Send it to" in sv.strings and "it to \"New" not in sv.strings
+    # a candidate never holds closing markup (the server's argument strings refuse `</`)
+    marked = StatedValues.of(['Reply "</tool_call>" or "a</b", then "x<5" and done'])
+    assert not any("</" in s for s in marked.strings) and "x<5" in marked.strings
     long = StatedValues.of(["a b c d e f"])
     assert max(len(s.split()) for s in long.strings) == MAX_WORDS
 
@@ -132,6 +135,8 @@ def test_openai_tools_are_narrowed_to_what_the_chat_states_and_marked_strict():
     assert json.dumps(SHIP) == before  # the caller's tools are not changed
     # nothing stated yet: the schema as given, strict
     assert narrow_tools(SHIP, CHAT[:1])[0]["function"] == {**SHIP[0]["function"], "strict": True}
+    with pytest.raises(ValueError, match=r"tools\[1\] is not an OpenAI function tool"):
+        narrow_tools([SHIP[0], {"type": "function", "name": "flat"}], CHAT)
 
 
 def test_the_api_loop_sends_its_tools_free_strict_or_narrowed():
