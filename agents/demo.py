@@ -36,8 +36,10 @@ def demo_tasks(path: Path = TASKS_DIR / "demo_heldout.json") -> list[DemoTask]:
     return [DemoTask(**t) for t in json.loads(path.read_text())]
 
 
-def run_heldout(backend, task: DemoTask) -> bool:
-    """Run one held-out task, print its transcript and whether its own check passes."""
+def run_heldout(backend, task: DemoTask, model: str | None = None) -> bool:
+    """Run one held-out task, print its transcript and whether its own check passes. A
+    function-calling task also runs narrowed to the stated values: through the frontend, and (with
+    ``model``, the name the OpenAI API takes) as an OpenAI-API loop with narrowed tools."""
     print(f"[demo] a task from a held-out template ({task.template}; {task.agent}):")
     if task.agent == "coding":
         print(f"[demo] task: {task.inputs['instruction']}")
@@ -53,7 +55,26 @@ def run_heldout(backend, task: DemoTask) -> bool:
         calls = [f"{c['got_name']}({c['got_arguments']})" for c in narrowed["scores"]["per_task"][task.inputs["name"]]]
         print(f"[demo] again with every free argument value narrowed to the values the conversation states "
               f"(--stated-values): {'; '.join(calls)}; solved: {'yes' if outcome_ok(task, narrowed) else 'no'}")
+        if model is not None:
+            print(f"[demo] as an OpenAI-API loop (openai client, tool_choice=auto), the tools narrowed before each "
+                  f"request (narrow_tools): {openai_narrowed_loop(backend.base_url, model, task.inputs)}")
     return ok
+
+
+def openai_narrowed_loop(base_url: str, model: str, task: dict) -> str:
+    """A function-calling task as an OpenAI-API loop whose tools are narrowed to the stated values
+    before each request (`api_loop.run_loop`, ``tools_mode="stated"``): its calls and its score."""
+    import openai
+
+    from .api_loop import run_loop, score_loop
+    from .function_calling import required_arguments
+
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="none")
+    turns = run_loop(client, model, task, tools_mode="stated")
+    score = score_loop(turns, required_arguments(task["tools"]))
+    calls = [f"{c['name']}({c['arguments']})" for t in turns for c in t.calls]
+    return (f"{'; '.join(calls) or '(no call)'}; ended on its own: {'yes' if score.ended else 'no'}; "
+            f"solved: {'yes' if score.solved else 'no'}")
 
 
 DEMO_TOOLS = [
@@ -96,7 +117,7 @@ def run_demo(model_dir: Path) -> int:
         print(f"[demo] calc.py after the session:\n{files.get('calc.py', '(missing)')}")
         print(f"[demo] test_calc.py passes now: {tests_pass(files, 'test_calc.py')}")
         for task in demo_tasks():
-            run_heldout(backend, task)
+            run_heldout(backend, task, str(model_dir))
         print(f"[demo] OpenAI client, tool_choice=auto, 'What time is it in Oslo?': "
               f"{openai_tool_call(backend.base_url, str(model_dir))}")
         state = backend.server_info()["internal_states"][0]["cedar"]
