@@ -148,15 +148,17 @@ def score_loop(turns: list[LoopTurn], required: dict[str, frozenset] | None = No
                      stating)
 
 
+def check_tools_mode(tools_mode: str) -> None:
+    if tools_mode not in TOOLS_MODES:
+        raise ValueError(f"tools_mode must be one of {TOOLS_MODES}, got {tools_mode!r}")
+
+
 def request_tools(tools: list[dict], messages: list[dict], tools_mode: str) -> list[dict]:
     """The ``tools`` a loop's next request sends in ``tools_mode`` (see the module doc)."""
-    if tools_mode == "free":
-        return tools
+    check_tools_mode(tools_mode)
     if tools_mode == "strict":
         return [{**t, "function": {**t["function"], "strict": True}} for t in tools]
-    if tools_mode == "stated":
-        return narrow_tools(tools, messages)
-    raise ValueError(f"tools_mode must be one of {TOOLS_MODES}, got {tools_mode!r}")
+    return narrow_tools(tools, messages) if tools_mode == "stated" else tools
 
 
 def run_loop(client, model: str, task: dict, max_requests: int = MAX_REQUESTS,
@@ -166,8 +168,6 @@ def run_loop(client, model: str, task: dict, max_requests: int = MAX_REQUESTS,
     registry = ToolRegistry.from_openai(task["tools"])
     required = required_arguments(task["tools"])
     tools = registry.openai_tools()
-    if tools_mode not in TOOLS_MODES:
-        raise ValueError(f"tools_mode must be one of {TOOLS_MODES}, got {tools_mode!r}")
     budget = 2 * max(t.max_tokens for t in registry.tools.values()) + 64
     messages = [{"role": "system", "content": task["system"]}] if task.get("system") else []
     out = []
@@ -225,8 +225,7 @@ def run_loops(base_url: str, model: str, tasks: list[dict], max_requests: int = 
     tools_mode: how the tools are sent (see the module doc)."""
     from openai import OpenAI
 
-    if tools_mode not in TOOLS_MODES:  # NOTE: not an error per task
-        raise ValueError(f"tools_mode must be one of {TOOLS_MODES}, got {tools_mode!r}")
+    check_tools_mode(tools_mode)  # NOTE: a bad mode is the caller's error, not one per task
     client = OpenAI(base_url=base_url.rstrip("/") + "/v1", api_key="none")
     scores, transcripts, errors = [], [], []
     for i, task in enumerate(tasks):

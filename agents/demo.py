@@ -36,10 +36,10 @@ def demo_tasks(path: Path = TASKS_DIR / "demo_heldout.json") -> list[DemoTask]:
     return [DemoTask(**t) for t in json.loads(path.read_text())]
 
 
-def run_heldout(backend, task: DemoTask, model: str | None = None) -> bool:
+def run_heldout(backend, task: DemoTask, model: str) -> bool:
     """Run one held-out task, print its transcript and whether its own check passes. A
-    function-calling task also runs narrowed to the stated values: through the frontend, and (with
-    ``model``, the name the OpenAI API takes) as an OpenAI-API loop with narrowed tools."""
+    function-calling task also runs narrowed to the stated values: through the frontend, and as an
+    OpenAI-API loop with narrowed tools (``model``: the name the OpenAI API takes)."""
     print(f"[demo] a task from a held-out template ({task.template}; {task.agent}):")
     if task.agent == "coding":
         print(f"[demo] task: {task.inputs['instruction']}")
@@ -55,9 +55,8 @@ def run_heldout(backend, task: DemoTask, model: str | None = None) -> bool:
         calls = [f"{c['got_name']}({c['got_arguments']})" for c in narrowed["scores"]["per_task"][task.inputs["name"]]]
         print(f"[demo] again with every free argument value narrowed to the values the conversation states "
               f"(--stated-values): {'; '.join(calls)}; solved: {'yes' if outcome_ok(task, narrowed) else 'no'}")
-        if model is not None:
-            print(f"[demo] as an OpenAI-API loop (openai client, tool_choice=auto), the tools narrowed before each "
-                  f"request (narrow_tools): {openai_narrowed_loop(backend.base_url, model, task.inputs)}")
+        print(f"[demo] as an OpenAI-API loop (openai client, tool_choice=auto), the tools narrowed before each "
+              f"request (narrow_tools): {openai_narrowed_loop(backend.base_url, model, task.inputs)}")
     return ok
 
 

@@ -338,11 +338,11 @@ def _evaluate_split(srv, model: str, tasks, tok, kinds, loop_requests: int, stat
         if stated_values:
             out["function_calling_stated"] = stated_value_calls(CedarEndpoint(srv.url), fc)
     if fc and (not kinds or "api-loop" in kinds):
-        out["api_loop"] = run_loops(srv.url, model, [t.inputs for t in fc], loop_requests)
+        loops = [t.inputs for t in fc]
+        out["api_loop"] = run_loops(srv.url, model, loops, loop_requests)
         if stated_values:  # NOTE: the constraint alone, then with the narrowing: each one's share apart
             for mode in ("strict", "stated"):
-                out[f"api_loop_{mode}"] = run_loops(srv.url, model, [t.inputs for t in fc], loop_requests,
-                                                    tools_mode=mode)
+                out[f"api_loop_{mode}"] = run_loops(srv.url, model, loops, loop_requests, tools_mode=mode)
     return out
 
 

@@ -118,28 +118,34 @@ def scheduler_stacks(directory: Path, timeout_s: float = 5.0) -> collections.Cou
         time.sleep(10 * PERIOD_S)
 
 
+def sampled(sample_dir: Path, run):
+    """``run()`` with every server process sampling its stack: (its result, the scheduler's samples);
+    the stack files are removed for the next window."""
+    (sample_dir / "on").touch()
+    try:
+        result = run()
+    finally:
+        (sample_dir / "on").unlink()
+    counts = scheduler_stacks(sample_dir)
+    for done in sample_dir.glob("stacks-*.txt"):
+        done.unlink()
+    return result, counts
+
+
 def ttft_case(client, sample_dir: Path, length: int, requests: int, vocab: int, seed: int) -> dict:
     """One ``--ttft`` length (see the module doc)."""
-    def run() -> list[float]:
+    def run(seed: int) -> list[float]:
         times = []
         for i in range(requests):
             time.sleep(TTFT_GAP_S)
             times.append(client.stream_generate(fresh_ids(seed + i, length, vocab), max_new_tokens=1).ttft_ms)
         return times
 
-    times = run()
-    seed += requests
-    (sample_dir / "on").touch()
-    try:
-        sampled = run()
-    finally:
-        (sample_dir / "on").unlink()
-    counts = scheduler_stacks(sample_dir)
-    for done in sample_dir.glob("stacks-*.txt"):
-        done.unlink()
+    times = run(seed)
+    sampled_times, counts = sampled(sample_dir, lambda: run(seed + requests))  # NOTE: fresh prompts again
     return {"case": f"cold ttft {length}", "prompt_tokens": length, "requests": requests,
             "ttft_ms": round(statistics.median(times), 2), "ttft_ms_runs": [round(t, 2) for t in times],
-            "ttft_ms_while_sampled": round(statistics.median(sampled), 2),
+            "ttft_ms_while_sampled": round(statistics.median(sampled_times), 2),
             "scheduler": busy_breakdown(counts, requests)}
 
 
@@ -173,20 +179,14 @@ def run_scheduler_bench(model_dir: Path, cases: tuple[tuple[int, int], ...] = ((
                     for one, out in ((False, server_threads), (True, rates)):
                         set_switch(srv, DECODE_THREADS_SWITCH, one)
                         out.append(decode_rate(client, batch, context, tokens, vocab, seed)["tok_s"])
-                (sample_dir / "on").touch()
-                try:
-                    sampled = decode_rate(client, batch, context, tokens, vocab, seed)["tok_s"]
-                finally:
-                    (sample_dir / "on").unlink()
-                counts = scheduler_stacks(sample_dir)
-                for done in sample_dir.glob("stacks-*.txt"):
-                    done.unlink()
+                while_sampled, counts = sampled(sample_dir,
+                                                lambda: decode_rate(client, batch, context, tokens, vocab, seed)["tok_s"])
                 tok_s = statistics.median(rates)
                 case = {"case": f"decode b{batch} ctx{context}", "batch": batch, "context": context,
                         "tok_s": tok_s, "tok_s_runs": rates, "ms_per_step": round(1000 * batch / tok_s, 2),
                         "tok_s_decode_on_server_threads": statistics.median(server_threads),
                         "tok_s_runs_decode_on_server_threads": server_threads,
-                        "tok_s_while_sampled": sampled, "scheduler": breakdown(counts)}
+                        "tok_s_while_sampled": while_sampled, "scheduler": breakdown(counts)}
                 report["cases"].append(case)
                 log(f"[bench scheduler] {case['case']}: {case['tok_s']} tok/s ({case['ms_per_step']} ms a step; every "
                     f"step on the server's threads: {case['tok_s_decode_on_server_threads']} tok/s); "

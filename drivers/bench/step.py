@@ -42,9 +42,8 @@ class Case:
 
     @property
     def name(self) -> str:
-        if self.kind == "cold":
-            return f"cold {self.context}"
-        return f"decode b{self.batch} ctx{self.context}" if self.kind == "decode" else f"hit {self.context} + {self.new}"
+        return {"decode": f"decode b{self.batch} ctx{self.context}", "cold": f"cold {self.context}",
+                "hit": f"hit {self.context} + {self.new}"}[self.kind]
 
 
 DEFAULT_CASES = (Case("decode", 1, 512), Case("decode", 8, 512), Case("decode", 1, 4096), Case("hit", 1, 4096, 16),
