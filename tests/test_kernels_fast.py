@@ -224,9 +224,10 @@ def test_pool_indexer_and_sparse_attention_equal_twins_on_dequantized_rows():
 @needs_ext
 def test_pool_indexer_scores_a_requests_rows_together_exactly_as_each_alone():
     """A prefill's rows of one request are scored over keys dequantized once per request, laid
-    out 8 entries a vector (lane-major): the top-k equals, bit for bit, the kernel run on each row
-    alone (and is a valid top-k of the twin's scores). Requests of several rows share a chunk, and
-    a row's visible entries grow with its position (some see none)."""
+    out 8 or 16 entries a vector (lane-major) and scored up to 4 rows at a time: the top-k equals,
+    bit for bit, the kernel run on each row alone (and is a valid top-k of the twin's scores).
+    Requests of several rows share a chunk, and a row's visible entries grow with its position
+    (some see none)."""
     gen = torch.Generator().manual_seed(6)
     c_lens, q_lens, ratio = [300, 5, 120], [37, 3, 10], 2
     R = sum(c_lens) + 10
@@ -280,6 +281,40 @@ def test_pool_indexer_dequantizes_exactly_as_the_twin():
         given = op(iq, iw, keys, codes, scales, perm, cu_c, row_req, q_pos, c_pos, k)
         assert torch.equal(pool, given), k
         assert (pool >= 0).sum().item() > 0
+
+
+@needs_ext
+def test_pool_indexer_selects_exactly_the_twins_top_k_where_scores_are_exact():
+    """Queries, head weights and FP4 keys of few dyadic values, so every score is exact in any
+    summation order: the kernel's selection equals the twin's stable top-k id for id, ties (most
+    scores tie: small integers, many relu zeros) to the lower id, whatever k and however many rows
+    of a request are scored together (1-5 rows, each seeing its own prefix). Rows of keys with a
+    NaN scale (NaN scores) and with the largest scale (products overflow: +-inf and NaN scores) are
+    never selected, and a row seeing fewer entries than k is padded with -1."""
+    gen = torch.Generator().manual_seed(11)
+    c_lens, q_lens = [700, 40, 3, 129], [5, 4, 2, 1]
+    n = sum(c_lens)
+    codes = torch.randint(0, 256, (n, DI // 2), dtype=torch.uint8, generator=gen)
+    scales = torch.full((n, DI // INDEX_ROW.group), 127, dtype=torch.uint8)
+    scales[5], scales[17], scales[701] = 255, 254, 255  # NaN keys; keys near 2^127
+    codes[17] = 0x77  # all +6: every nonzero product overflows
+    cu_c = torch.tensor([0, *torch.tensor(c_lens).cumsum(0).tolist()])
+    c_pos = torch.cat([torch.arange(c) * 2 + 1 for c in c_lens])
+    row_req = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
+    q_pos = torch.tensor([1399, 1398, 900, 40, 1401, 81, 30, 79, 60, 0, 5, 300])
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    T = row_req.numel()
+    iq = torch.randint(-2, 3, (T, HI, DI), generator=gen).float()
+    iw = torch.tensor([[1.0, -0.5], [-0.5, -1.0], [-1.0, 2.0], [1.0, 1.0]]).repeat(3, 1)  # row 1: all scores <= 0
+    keys = fp4_ref.fp4_dequantize(codes, scales, INDEX_ROW)
+    scores = sparse_attention_ref.indexer_scores(iq, iw, keys, cu_q, cu_c.int(), q_pos, c_pos)
+    assert (scores == 0).sum() > 500 and scores.isnan().any() and scores.isinf().any()
+    op = torch.ops.cedar_cpu.indexer_topk
+    for k in (1, 15, 16, 17, 32, 64, 300):
+        want = sparse_attention_ref.topk_select(scores, k)
+        assert torch.equal(op(iq, iw, None, codes, scales, torch.arange(n), cu_c, row_req, q_pos, c_pos, k), want), k
+        assert torch.equal(op(iq, iw, keys, codes, scales, torch.arange(n), cu_c, row_req, q_pos, c_pos, k), want), k
+    assert (want[9] >= 0).sum() == 0 and (want[10] >= 0).sum() == 3  # position 0 sees no entry; 5 sees 1, 3, 5
 
 
 @needs_ext

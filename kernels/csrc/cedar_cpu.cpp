@@ -217,29 +217,76 @@ inline void dequant_fp4_block8(const uint8_t* packed, int64_t CB, const uint8_t*
 }
 #endif
 
-// A query row's H * D values, each broadcast to a vector once (0.f + q: the lanes dots() multiplies).
-inline void broadcast_query(const float* q, int64_t n, vk* qv) {
+// The scores of the kKeyLanes entries of a lane-major block for R query rows (row r's H * D values
+// at q + r H D, its head weights at w + r H): sum_h w[h] relu(q[h] . key) over h in order from 0.f
+// (the per-entry loop's order); D % 8 == 0. Each dot is dots()'s: 8 partial sums s_l over i = l,
+// l + 8, ... from 0.f, then ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)) + 0.f, entry-wise.
+// NOTE: the rows share each key vector's load and a query value is a broadcast operand, so a
+// product costs no 64-byte query load (one query row at a time read two vectors a product); the
+// partial sums are taken one l at a time into the tree, 4 R vectors live
+template <int R>
+inline void index_scores_rows(const float* q, const float* w, int64_t H, const float* kt, int64_t D, vk* out) {
   const vk zero = {};
-  for (int64_t j = 0; j < n; ++j) qv[j] = zero + q[j];
+  for (int r = 0; r < R; ++r) out[r] = zero;
+  for (int64_t h = 0; h < H; ++h) {
+    vk t0[R], t1[R], t2[R];  // the tree's pending sums: s0..3 / s4..5 / s6
+    for (int l = 0; l < 8; ++l) {
+      vk s[R];
+      for (int r = 0; r < R; ++r) s[r] = zero;
+      for (int64_t i = 0; i < D; i += 8) {
+        const vk kv = loadk(kt + (i + l) * kKeyLanes);
+        for (int r = 0; r < R; ++r) s[r] += q[(r * H + h) * D + i + l] * kv;
+      }
+      for (int r = 0; r < R; ++r) {
+        switch (l) {
+          case 0: t0[r] = s[r]; break;
+          case 1: t0[r] = t0[r] + s[r]; break;
+          case 2: t1[r] = s[r]; break;
+          case 3: t0[r] = t0[r] + (t1[r] + s[r]); break;
+          case 4: t1[r] = s[r]; break;
+          case 5: t1[r] = t1[r] + s[r]; break;
+          case 6: t2[r] = s[r]; break;
+          default: t0[r] = t0[r] + (t1[r] + (t2[r] + s[r]));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      vk d = t0[r] + 0.f;
+      d = d < zero ? zero : d;  // std::max(d, 0.f), NaN and -0.f kept as it keeps them
+      out[r] += d * w[r * H + h];
+    }
+  }
 }
 
-// The scores of the kKeyLanes entries of a lane-major block for one query row (qv: its values
-// broadcast, broadcast_query): sum_h w[h] relu(q[h] . key) over h in order from 0.f (the per-entry
-// loop's order); D % 8 == 0.
-inline vk index_scores(const vk* qv, const float* w, int64_t H, const float* kt, int64_t D) {
+// Rows scored together (index_scores_rows): 4 (2 at a time cost 1.4x as much with AVX-512 and
+// 1.2x with AVX2 alone; 6 no faster with AVX-512)
+constexpr int64_t kScoreRows = 4;
+
+// One row alone (a decode step's): the 8 partial sums taken side by side (8 independent chains; one
+// at a time they would wait on each add's latency), the same sums in the same order.
+inline vk index_scores_row(const float* q, const float* w, int64_t H, const float* kt, int64_t D) {
   const vk zero = {};
   vk acc = zero;
   for (int64_t h = 0; h < H; ++h) {
-    const vk* qh = qv + h * D;
+    const float* qh = q + h * D;
     vk s[8];
     for (int l = 0; l < 8; ++l) s[l] = zero;
     for (int64_t i = 0; i < D; i += 8)
       for (int l = 0; l < 8; ++l) s[l] += qh[i + l] * loadk(kt + (i + l) * kKeyLanes);
     vk d = (((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]))) + 0.f;
-    d = d < zero ? zero : d;  // std::max(d, 0.f), NaN and -0.f kept as it keeps them
+    d = d < zero ? zero : d;
     acc += d * w[h];
   }
   return acc;
+}
+
+inline void index_scores_n(int64_t R, const float* q, const float* w, int64_t H, const float* kt, int64_t D, vk* out) {
+  switch (R) {
+    case 1: out[0] = index_scores_row(q, w, H, kt, D); return;
+    case 2: return index_scores_rows<2>(q, w, H, kt, D, out);
+    case 3: return index_scores_rows<3>(q, w, H, kt, D, out);
+    case 4: return index_scores_rows<4>(q, w, H, kt, D, out);
+  }
 }
 
 // exp(x) for x <= 0 (a logit minus the row max) by Cody-Waite reduction and a degree-7 Taylor
@@ -440,61 +487,132 @@ std::tuple<at::Tensor, at::Tensor> window_ragged_attention(const at::Tensor& q, 
 }
 
 // ---------------------------------------------------------------------------------------------
-// The k best (score, id) of a row, best first, ties to the lower id: the twin's stable-sort order.
-// Ids arrive in increasing order, so a candidate equal to the worst kept one never displaces it.
+// A finite score and its id as one key ordered as the selection wants: a higher score first, of
+// equal scores the lower id (the twin's stable descending sort). The score's bits made monotone
+// (sign flipped, or all bits where negative) above the id's complement; -0.f is counted as 0.f
+// (+ 0.f), as `==` counts it.
+inline uint64_t rank_key(float score, int32_t id) {
+  uint32_t bits;
+  score += 0.f;
+  std::memcpy(&bits, &score, sizeof(bits));
+  bits ^= (bits >> 31) ? 0xFFFFFFFFu : 0x80000000u;
+  return (uint64_t(bits) << 32) | uint32_t(~uint32_t(id));
+}
+
+inline int32_t rank_id(uint64_t key) { return int32_t(~uint32_t(key)); }
+
+// The k best finite scores of a row and their ids, best first, ties to the lower id: the twin's
+// stable-sort order. Candidates arrive either one by one with increasing ids (offer: kept when
+// their key beats the k-th best kept at the last cut, then cut to the k best when the buffer fills)
+// or as a whole row of score blocks (offer_scores); write() cuts to k and sorts. Keys are unique
+// (one per id), so the k written do not depend on the order of the cuts.
+// NOTE: a heap paid ~100 cycles an insertion, k ln(C / k) of them a row (~130 at k = 32 over 2k
+// entries): as much as scoring the row
 struct TopK {
   int64_t k;
-  std::vector<std::pair<float, int32_t>> heap;  // front = the worst kept
-  struct Better {  // NOTE: a functor, not a function pointer: inlined into the heap operations
-    bool operator()(const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) const {
-      return a.first > b.first || (a.first == b.first && a.second < b.second);
-    }
-  };
-  static constexpr Better better{};
-  void reset() { heap.clear(); }
-  void offer(float score, int32_t id) {
-    if (!std::isfinite(score) || k == 0) return;
-    if (int64_t(heap.size()) < k) {
-      heap.emplace_back(score, id);
-      std::push_heap(heap.begin(), heap.end(), better);
-    } else if (score > heap.front().first) {
-      std::pop_heap(heap.begin(), heap.end(), better);
-      heap.back() = {score, id};
-      std::push_heap(heap.begin(), heap.end(), better);
-    }
+  std::vector<uint64_t> buf;
+  uint64_t tau = 0;  // a key must exceed it to be kept (0: below every finite score's key)
+  int64_t cap() const { return std::max<int64_t>(4 * k, 64); }
+  void reset() {
+    buf.clear();
+    tau = 0;
   }
-  // offer(v[l], c + l) for the first n lanes of a block of scores, in lane order; with the heap
-  // full, only lanes above its worst kept score (the rest would be refused: the same heap after)
-  void offer_block(vk v, int64_t c, int64_t n) {
-    if (k == 0) return;
-    if (int64_t(heap.size()) < k) {
-      for (int64_t l = 0; l < n; ++l) offer(v[l], int32_t(c + l));
-      return;
+  void cut() {  // the buffer to its k best; tau the k-th best's key
+    std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.end(), std::greater<uint64_t>());
+    buf.resize(k);
+    tau = buf[k - 1];
+  }
+  void offer(float score, int32_t id) {
+    if (k == 0 || !std::isfinite(score)) return;
+    const uint64_t key = rank_key(score, id);
+    if (key <= tau) return;
+    buf.push_back(key);
+    if (int64_t(buf.size()) >= cap()) cut();
+  }
+  // The k best of a row's n scores given a block of kKeyLanes a vector (ids 0..n; lanes past n
+  // ignored), replacing whatever was offered: a lower bound on the k-th best first, the least of k
+  // lane maxima over disjoint entries (block j's lane l goes to maximum (j % m, l), finite scores
+  // only; -inf where one holds none), then the scores above it kept and, of those equal to it, the
+  // k lowest ids (write() cuts them to k).
+  // NOTE: ~100 of 2k entries kept at k = 32 on random keys (whose scores tie at 0 where both head
+  // weights are negative), where offering every block raised the threshold slowly (~270 kept and
+  // two cuts a row); AVX-512 stores a block's kept scores and ids in one compress each
+  void offer_scores(const vk* sc, int64_t n) {
+    reset();
+    if (k == 0 || n <= 0) return;
+    const int64_t nb = (n + kKeyLanes - 1) / kKeyLanes, m = (k + kKeyLanes - 1) / kKeyLanes;
+    vk lane_id;
+    for (int64_t l = 0; l < kKeyLanes; ++l) lane_id[l] = float(l);
+    const vk inf = vk{} - kNegInf, ninf = vk{} + kNegInf;
+    float bound = kNegInf;
+    if (nb >= m) {
+      std::vector<vk> mx(m, ninf);
+      for (int64_t j = 0; j < nb; ++j) {
+        vk v = sc[j];
+        v = v < inf ? v : ninf;  // +inf and NaN
+        if (n - j * kKeyLanes < kKeyLanes) v = lane_id < float(n - j * kKeyLanes) ? v : ninf;
+        vk& a = mx[j % m];
+        a = a < v ? v : a;
+      }
+      bound = -kNegInf;
+      for (int64_t i = 0; i < k; ++i) bound = std::min(bound, mx[i / kKeyLanes][i % kKeyLanes]);
     }
-    const float worst = heap.front().first;
+    int64_t ties = 0;
 #if defined(__AVX512F__)
-    uint32_t m = _mm512_cmp_ps_mask(reinterpret_cast<__m512>(v), _mm512_set1_ps(worst), _CMP_GT_OQ);
-#elif defined(__AVX2__)
-    uint32_t m = _mm256_movemask_ps(_mm256_cmp_ps(reinterpret_cast<__m256>(v), _mm256_set1_ps(worst), _CMP_GT_OQ));
-#else
-    uint32_t m = 0;
-    for (int64_t l = 0; l < kKeyLanes; ++l) m |= uint32_t(v[l] > worst) << l;
-#endif
-    if (n < kKeyLanes) m &= (uint32_t(1) << n) - 1;
-    for (; m; m &= m - 1) {
-      const int l = __builtin_ctz(m);
-      offer(v[l], int32_t(c + l));
+    std::vector<float> score(n + kKeyLanes);
+    std::vector<int32_t> id(n + kKeyLanes);
+    const __m512 vb = _mm512_set1_ps(bound), vinf = _mm512_set1_ps(-kNegInf), vninf = _mm512_set1_ps(kNegInf);
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    int64_t kept = 0;
+    for (int64_t j = 0; j < nb; ++j) {
+      const __m512 v = reinterpret_cast<const __m512&>(sc[j]);
+      __mmask16 live = _mm512_cmp_ps_mask(v, vinf, _CMP_LT_OQ) & _mm512_cmp_ps_mask(v, vninf, _CMP_GT_OQ);
+      if (n - j * kKeyLanes < kKeyLanes) live &= __mmask16((uint32_t(1) << (n - j * kKeyLanes)) - 1);
+      uint32_t eq = _mm512_cmp_ps_mask(v, vb, _CMP_EQ_OQ) & live;
+      const uint32_t gt = _mm512_cmp_ps_mask(v, vb, _CMP_GT_OQ) & live;
+      for (uint32_t e = eq; e; e &= e - 1)  // ties at the bound: the k lowest ids suffice
+        if (ties++ >= k) eq &= ~(e & -e);
+      const __mmask16 keep = __mmask16(gt | eq);
+      // NOTE: compressed in registers, then stored whole (the buffers have a block's slack): a
+      // compress to memory is microcoded on AMD's cores (~20x slower)
+      _mm512_storeu_ps(score.data() + kept, _mm512_maskz_compress_ps(keep, v));
+      _mm512_storeu_si512(id.data() + kept,
+                          _mm512_maskz_compress_epi32(keep, _mm512_add_epi32(iota, _mm512_set1_epi32(int32_t(j * 16)))));
+      kept += __builtin_popcount(keep);
     }
+    buf.resize(kept);
+    for (int64_t i = 0; i < kept; ++i) buf[i] = rank_key(score[i], id[i]);
+#else
+    for (int64_t j = 0; j < nb; ++j) {
+      const vk v = sc[j];
+#if defined(__AVX2__)
+      uint32_t msk = _mm256_movemask_ps(_mm256_cmp_ps(reinterpret_cast<const __m256&>(v), _mm256_set1_ps(bound), _CMP_GE_OQ));
+#else
+      uint32_t msk = 0;
+      for (int64_t l = 0; l < kKeyLanes; ++l) msk |= uint32_t(v[l] >= bound) << l;
+#endif
+      if (n - j * kKeyLanes < kKeyLanes) msk &= (uint32_t(1) << (n - j * kKeyLanes)) - 1;
+      for (; msk; msk &= msk - 1) {
+        const int l = __builtin_ctz(msk);
+        if (!std::isfinite(v[l])) continue;
+        if (v[l] == bound && ties++ >= k) continue;  // ties at the bound: the k lowest ids suffice
+        buf.push_back(rank_key(v[l], int32_t(j * kKeyLanes + l)));
+      }
+    }
+#endif
   }
   void write(int32_t* out) {  // k slots, -1 padded
-    std::sort(heap.begin(), heap.end(), better);
-    for (int64_t j = 0; j < k; ++j) out[j] = j < int64_t(heap.size()) ? heap[j].second : -1;
+    if (int64_t(buf.size()) > k) cut();
+    std::sort(buf.begin(), buf.end(), std::greater<uint64_t>());
+    for (int64_t j = 0; j < k; ++j) out[j] = j < int64_t(buf.size()) ? rank_id(buf[j]) : -1;
   }
 };
 
-// Lightning-indexer scores and their top-k in one pass per query row: entry c of the row's
-// request scores sum_h w[h] relu(q[h] . key_c) where visible ((c + 1) ratio - 1 <= pos). Keys
-// come from `keys` (float, ragged like the entries) when given, else from the FP4 pool in place.
+// Lightning-indexer scores and their top-k: entry c of a row's request scores sum_h w[h]
+// relu(q[h] . key_c) where visible ((c + 1) ratio - 1 <= pos). Keys come from `keys` (float,
+// ragged like the entries) when given, else from the FP4 pool in place. Up to kScoreRows
+// consecutive rows of one request are scored together (a key block's load serves them all), each
+// row's scores kept whole and its top-k taken from them (TopK::offer_scores).
 at::Tensor indexer_topk(const at::Tensor& iq, const at::Tensor& iw, const c10::optional<at::Tensor>& keys,
                         const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& entry_rows,
                         const at::Tensor& cu_c, const at::Tensor& row_req, const at::Tensor& q_pos,
@@ -521,28 +639,35 @@ at::Tensor indexer_topk(const at::Tensor& iq, const at::Tensor& iw, const c10::o
     // keys once (dequantized from the pool, or copied when given), as far as its rows reach (a 4k
     // hit + 16 replays 144 rows over 2k entries), lane-major where Di % 8 == 0 (else given keys
     // are read in place); every score is the per-entry dots() one, so the top-k is the same bits
-    // row by row
+    // row by row, however the rows are grouped
     std::vector<float> kt, d(Hi);
-    std::vector<vk> qv(lanes ? Hi * Di : 0);
-    int64_t kt_req = -1, kt_n = 0;
+    std::vector<vk> sc;  // a group's scores, row r's block j at r * nb + j
+    int64_t kt_req = -1, kt_n = 0, vis[kScoreRows];
     TopK top{k, {}};
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t t = t0; t < t1;) {
       const int64_t b = qr[t], c0 = cu[b];
-      // entries visible to the row: a prefix (entries in position order)
-      const int64_t vis = std::upper_bound(vp + c0, vp + cu[b + 1], pp[t]) - (vp + c0);
+      // a group: up to kScoreRows consecutive rows of one request (scored together where lanes)
+      int64_t R = 1;
+      while (lanes && R < kScoreRows && t + R < t1 && qr[t + R] == b) ++R;
+      // entries visible to each row: a prefix (entries in position order)
+      int64_t reach = 0;
+      for (int64_t r = 0; r < R; ++r) {
+        vis[r] = std::upper_bound(vp + c0, vp + cu[b + 1], pp[t + r]) - (vp + c0);
+        reach = std::max(reach, vis[r]);
+      }
       if (b != kt_req) kt_req = b, kt_n = 0;
-      if (kt_n < vis) {
-        const int64_t need = (vis + kKeyLanes - 1) / kKeyLanes * kKeyLanes * Di;
+      if (kt_n < reach) {
+        const int64_t need = (reach + kKeyLanes - 1) / kKeyLanes * kKeyLanes * Di;
         if (int64_t(kt.size()) < need) kt.resize(std::max<int64_t>(2 * kt.size(), need));
       }
-      for (; kt_n < vis; ++kt_n) {
+      for (; kt_n < reach; ++kt_n) {
         const int64_t e = c0 + kt_n;
         if (kp) {
           if (lanes) put_key_lanes(kp + e * Di, Di, kt_n, kt.data());
         } else if (!lanes) {
           dequant_fp4(cp + er[e] * CB, sp + er[e] * SB, Di, group, false, kt.data() + kt_n * Di);
 #ifdef __AVX2__
-        } else if (gather8 && kt_n % 8 == 0 && kt_n + 8 <= vis) {
+        } else if (gather8 && kt_n % 8 == 0 && kt_n + 8 <= reach) {
           dequant_fp4_block8(cp, CB, sp, SB, er + e, Di, group, key_lane(kt.data(), Di, kt_n));
           kt_n += 7;  // NOTE: the loop's ++kt_n makes it 8
 #endif
@@ -552,20 +677,29 @@ at::Tensor indexer_topk(const at::Tensor& iq, const at::Tensor& iw, const c10::o
       }
       const float* q = qp + t * Hi * Di;
       const float* w = wp + t * Hi;
-      top.reset();
-      if (lanes) {  // NOTE: a block's lanes past `vis` hold other entries or stale keys: never offered
-        broadcast_query(q, Hi * Di, qv.data());
-        for (int64_t c = 0; c < vis; c += kKeyLanes)
-          top.offer_block(index_scores(qv.data(), w, Hi, kt.data() + c * Di, Di), c, std::min(kKeyLanes, vis - c));
+      if (lanes) {  // NOTE: a block's lanes past a row's `vis` hold other entries or stale keys: never offered
+        const int64_t nb = (reach + kKeyLanes - 1) / kKeyLanes;
+        if (int64_t(sc.size()) < R * nb) sc.resize(R * nb);
+        vk out[kScoreRows];
+        for (int64_t j = 0; j < nb; ++j) {
+          index_scores_n(R, q, w, Hi, kt.data() + j * kKeyLanes * Di, Di, out);
+          for (int64_t r = 0; r < R; ++r) sc[r * nb + j] = out[r];
+        }
+        for (int64_t r = 0; r < R; ++r) {
+          top.offer_scores(sc.data() + r * nb, vis[r]);
+          top.write(ip + (t + r) * k);
+        }
       } else {
-        for (int64_t c = 0; c < vis; ++c) {
+        top.reset();
+        for (int64_t c = 0; c < vis[0]; ++c) {
           dots(q, Hi, kp ? kp + (c0 + c) * Di : kt.data() + c * Di, Di, d.data());
           float acc = 0.f;
           for (int64_t h = 0; h < Hi; ++h) acc += std::max(d[h], 0.f) * w[h];
           top.offer(acc, int32_t(c));
         }
+        top.write(ip + t * k);
       }
-      top.write(ip + t * k);
+      t += R;
     }
   });
   return idx;
