@@ -335,6 +335,37 @@ inline v8 exp8(v8 x) {
   return p * scale;
 }
 
+// out[0, D) = sum_j p_j rows[j] (p_j = logits[j], in order from 0.f, each element on its own), denom
+// += p_j in the same order: C = D / 8 vectors held in registers.
+template <int C>
+inline void accumulate_values(const float* logits, const float* const* rows, int64_t n, float& denom, float* out) {
+  v8 o[C];
+  for (int c = 0; c < C; ++c) o[c] = v8{0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int64_t j = 0; j < n; ++j) {
+    const float p = logits[j];
+    denom += p;
+    for (int c = 0; c < C; ++c) o[c] += p * load8(rows[j] + 8 * c);
+  }
+  for (int c = 0; c < C; ++c) std::memcpy(out + 8 * c, &o[c], sizeof(v8));
+}
+
+inline void accumulate_values_any(const float* logits, const float* const* rows, int64_t n, int64_t D, float& denom,
+                                  float* out) {
+  std::fill(out, out + D, 0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    const float p = logits[j];
+    denom += p;
+    const float* v = rows[j];
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) {  // elementwise: the same products and sums as the scalar loop
+      v8 o = load8(out + d);
+      o += p * load8(v + d);
+      std::memcpy(out + d, &o, sizeof(o));
+    }
+    for (; d < D; ++d) out[d] += p * v[d];
+  }
+}
+
 // softmax over logits[0..n) plus an optional sink logit, out = sum p_j rows[j] / denom; returns
 // lse. logits are overwritten by the unnormalised probabilities.
 inline float softmax_values(float* logits, const float* const* rows, int64_t n, int64_t D, bool has_sink,
@@ -349,18 +380,12 @@ inline float softmax_values(float* logits, const float* const* rows, int64_t n, 
   }
   for (; j < n; ++j) logits[j] = exp_neg(logits[j] - m);
   float denom = has_sink ? exp_neg(sink - m) : 0.f;
-  std::fill(out, out + D, 0.f);
-  for (j = 0; j < n; ++j) {
-    const float p = logits[j];
-    denom += p;
-    const float* v = rows[j];
-    int64_t d = 0;
-    for (; d + 8 <= D; d += 8) {  // elementwise: the same products and sums as the scalar loop
-      v8 o = load8(out + d);
-      o += p * load8(v + d);
-      std::memcpy(out + d, &o, sizeof(o));
-    }
-    for (; d < D; ++d) out[d] += p * v[d];
+  switch (D) {  // NOTE: the common head sizes sum in registers (through memory, each add waited on a
+                // store's forwarding): the same products and sums in the same order
+    case 32: accumulate_values<4>(logits, rows, n, denom, out); break;
+    case 64: accumulate_values<8>(logits, rows, n, denom, out); break;
+    case 128: accumulate_values<16>(logits, rows, n, denom, out); break;
+    default: accumulate_values_any(logits, rows, n, D, denom, out);
   }
   if (denom > 0.f) {
     for (int64_t d = 0; d < D; ++d) out[d] /= denom;
