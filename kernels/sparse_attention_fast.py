@@ -82,9 +82,10 @@ def topk_select_torch(scores: Tensor, k: int) -> Tensor:
 def indexer_topk(q_idx: Tensor, w_idx: Tensor, k_idx: Tensor | None, cu_seqlens_q: Tensor,
                  cu_seqlens_c: Tensor, q_pos: Tensor, c_pos: Tensor, k: int,
                  plan: GlobalPlan | PoolPlan | None = None) -> Tensor:
-    """As the twin; with a :class:`PoolPlan` one C++ pass per query row scores its visible entries
-    (index keys from ``k_idx`` when given, else dequantized from the pool in place) and keeps the
-    k best in a heap: no (T, C) score matrix (8k x 4k floats on an 8k prompt)."""
+    """As the twin; with a :class:`PoolPlan` the C++ kernel scores a request's rows a few at a
+    time over its visible entries (index keys from ``k_idx`` when given, else dequantized from the
+    pool in place) and keeps each row's k best: no (T, C) score matrix (8k x 4k floats on an 8k
+    prompt), only one row group's scores at a time."""
     if isinstance(plan, PoolPlan):
         return torch.ops.cedar_cpu.indexer_topk(
             q_idx.float().contiguous(), w_idx.float().contiguous(),
