@@ -194,6 +194,63 @@ def test_ring_attention_equals_twin_on_the_dequantized_ring():
         close(got[0], want[0]); close(got[1], want[1])
 
 
+def _f32(x: float) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float32)
+
+
+def _exp_neg(x: torch.Tensor) -> torch.Tensor:
+    """The kernels' exp of x <= 0 (exp_neg / exp8: Cody-Waite reduction, degree-7 Taylor), the same
+    float32 operations one by one."""
+    x = torch.maximum(x, _f32(-87.0))
+    t = x * _f32(1.44269504088896341)
+    n = (t + torch.where(t >= 0, _f32(0.5), _f32(-0.5))).trunc()
+    r = (x - n * _f32(0.693359375)) - n * _f32(-2.12194440e-4)
+    p = torch.full_like(x, 1.0 / 5040.0)
+    for c in (1 / 720, 1 / 120, 1 / 24, 1 / 6, 0.5, 1.0, 1.0):
+        p = p * r + _f32(c)
+    return p * ((n.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+def _attend_exactly(q: torch.Tensor, keys: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query row's window attention out (H, D) summed in the kernels' order: each logit a dot of
+    8 lane sums over i (from 0.f), then ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)) + 0.f,
+    times scale; the softmax's values summed key by key from 0.f, then divided."""
+    H, D = q.shape
+    prod = (q[:, None, :] * keys[None, :, :]).view(H, keys.shape[0], D // 8, 8)
+    s = torch.zeros(H, keys.shape[0], 8)
+    for i in range(D // 8):
+        s = s + prod[:, :, i]
+    dot = ((s[..., 0] + s[..., 1]) + (s[..., 2] + s[..., 3])) + ((s[..., 4] + s[..., 5]) + (s[..., 6] + s[..., 7]))
+    logits = (dot + 0.0) * _f32(scale)
+    m = torch.maximum(logits.max(1).values, sink)
+    p = _exp_neg(logits - m[:, None])
+    denom, out = _exp_neg(sink - m), torch.zeros(H, D)
+    for j in range(keys.shape[0]):
+        denom = denom + p[:, j]
+        out = out + p[:, j, None] * keys[j]
+    return out / denom[:, None]
+
+
+@needs_ext
+@pytest.mark.parametrize("D,n", [(64, 29), (32, 8), (128, 17), (64, 3)])
+def test_window_attention_sums_in_the_kernels_fixed_order(D, n):
+    """Window attention (ragged keys) equals, bit for bit, its sums taken one by one in the order the
+    kernels fix (tests/ emulation in float32 torch ops): a change in how the logits or the values are
+    vectorized must keep every sum's order (served = reference depends on it). Keys 8 at a time and
+    the rest one by one, with and without a full block."""
+    gen = torch.Generator().manual_seed(D + n)
+    H, T = 4, 3
+    q, keys = torch.randn(T, H, D, generator=gen), torch.randn(n, D, generator=gen) * 2
+    sink, scale = torch.randn(H, generator=gen), D ** -0.5
+    q_pos = torch.tensor([n - 3, n - 2, n - 1])
+    o, _ = torch.ops.cedar_cpu.window_ragged_attention(
+        q, keys, torch.arange(n), torch.tensor([0, n]), torch.tensor([0]), torch.zeros(T, dtype=torch.long), q_pos,
+        torch.tensor([0]), sink, -1, 128, scale)
+    for t in range(T):
+        seen = int(q_pos[t]) + 1
+        assert torch.equal(o[t], _attend_exactly(q[t], keys[:seen], sink, scale)), t
+
+
 @needs_ext
 def test_pool_indexer_and_sparse_attention_equal_twins_on_dequantized_rows():
     gen = torch.Generator().manual_seed(4)
