@@ -274,7 +274,7 @@ inline vk index_scores_row(const float* q, const float* w, int64_t H, const floa
     for (int64_t i = 0; i < D; i += 8)
       for (int l = 0; l < 8; ++l) s[l] += qh[i + l] * loadk(kt + (i + l) * kKeyLanes);
     vk d = (((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]))) + 0.f;
-    d = d < zero ? zero : d;
+    d = d < zero ? zero : d;  // std::max(d, 0.f), NaN and -0.f kept as it keeps them
     acc += d * w[h];
   }
   return acc;
@@ -401,8 +401,6 @@ inline std::tuple<at::Tensor, at::Tensor> empty_partials(const at::Tensor& q) {
           at::full({q.size(0), q.size(1)}, kNegInf, q.options())};
 }
 
-// one query's heads over n key rows: logits, softmax with the sink, values
-// (logits: room for H * n floats, head h's in logits[h * n, (h + 1) * n); scratch: H floats)
 #ifdef __AVX2__
 // dot(q, rows[c], D) + 0.f for the 8 key rows rows[0..8), as one vector: each key's 8 lane sums over
 // i as dots() takes them, then reduce8's tree ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)) for
@@ -424,6 +422,8 @@ inline __m256 dots_8keys(const float* q, const float* const* rows, int64_t D) {
 }
 #endif
 
+// one query's heads over n key rows: logits, softmax with the sink, values
+// (logits: room for H * n floats, head h's in logits[h * n, (h + 1) * n); scratch: H floats)
 inline void attend(const float* q, int64_t H, int64_t D, const float* const* rows, int64_t n, const float* sink,
                    float scale, float* logits, float* scratch, float* out, float* lse) {
   int64_t j0 = 0;
@@ -565,6 +565,11 @@ struct TopK {
   int64_t k;
   std::vector<uint64_t> buf;
   uint64_t tau = 0;  // a key must exceed it to be kept (0: below every finite score's key)
+  // offer_scores' scratch, kept across rows (no allocation a row): the lane maxima, and the kept
+  // scores and ids before they become keys
+  std::vector<vk> mx;
+  std::vector<float> kept_score;
+  std::vector<int32_t> kept_id;
   int64_t cap() const { return std::max<int64_t>(4 * k, 64); }
   void reset() {
     buf.clear();
@@ -594,16 +599,17 @@ struct TopK {
     reset();
     if (k == 0 || n <= 0) return;
     const int64_t nb = (n + kKeyLanes - 1) / kKeyLanes, m = (k + kKeyLanes - 1) / kKeyLanes;
+    const int64_t tail = n - (nb - 1) * kKeyLanes;  // the live lanes of the last block, 1..kKeyLanes
     vk lane_id;
     for (int64_t l = 0; l < kKeyLanes; ++l) lane_id[l] = float(l);
     const vk inf = vk{} - kNegInf, ninf = vk{} + kNegInf;
     float bound = kNegInf;
     if (nb >= m) {
-      std::vector<vk> mx(m, ninf);
+      mx.assign(m, ninf);
       for (int64_t j = 0; j < nb; ++j) {
         vk v = sc[j];
         v = v < inf ? v : ninf;  // +inf and NaN
-        if (n - j * kKeyLanes < kKeyLanes) v = lane_id < float(n - j * kKeyLanes) ? v : ninf;
+        if (j == nb - 1) v = lane_id < float(tail) ? v : ninf;
         vk& a = mx[j % m];
         a = a < v ? v : a;
       }
@@ -612,15 +618,14 @@ struct TopK {
     }
     int64_t ties = 0;
 #if defined(__AVX512F__)
-    std::vector<float> score(n + kKeyLanes);
-    std::vector<int32_t> id(n + kKeyLanes);
+    if (int64_t(kept_score.size()) < n + kKeyLanes) kept_score.resize(n + kKeyLanes), kept_id.resize(n + kKeyLanes);
     const __m512 vb = _mm512_set1_ps(bound), vinf = _mm512_set1_ps(-kNegInf), vninf = _mm512_set1_ps(kNegInf);
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     int64_t kept = 0;
     for (int64_t j = 0; j < nb; ++j) {
       const __m512 v = reinterpret_cast<const __m512&>(sc[j]);
       __mmask16 live = _mm512_cmp_ps_mask(v, vinf, _CMP_LT_OQ) & _mm512_cmp_ps_mask(v, vninf, _CMP_GT_OQ);
-      if (n - j * kKeyLanes < kKeyLanes) live &= __mmask16((uint32_t(1) << (n - j * kKeyLanes)) - 1);
+      if (j == nb - 1) live &= __mmask16((uint32_t(1) << tail) - 1);
       uint32_t eq = _mm512_cmp_ps_mask(v, vb, _CMP_EQ_OQ) & live;
       const uint32_t gt = _mm512_cmp_ps_mask(v, vb, _CMP_GT_OQ) & live;
       for (uint32_t e = eq; e; e &= e - 1)  // ties at the bound: the k lowest ids suffice
@@ -628,13 +633,13 @@ struct TopK {
       const __mmask16 keep = __mmask16(gt | eq);
       // NOTE: compressed in registers, then stored whole (the buffers have a block's slack): a
       // compress to memory is microcoded on AMD's cores (~20x slower)
-      _mm512_storeu_ps(score.data() + kept, _mm512_maskz_compress_ps(keep, v));
-      _mm512_storeu_si512(id.data() + kept,
-                          _mm512_maskz_compress_epi32(keep, _mm512_add_epi32(iota, _mm512_set1_epi32(int32_t(j * 16)))));
+      _mm512_storeu_ps(kept_score.data() + kept, _mm512_maskz_compress_ps(keep, v));
+      _mm512_storeu_si512(kept_id.data() + kept, _mm512_maskz_compress_epi32(
+                                                     keep, _mm512_add_epi32(iota, _mm512_set1_epi32(int32_t(j * kKeyLanes)))));
       kept += __builtin_popcount(keep);
     }
     buf.resize(kept);
-    for (int64_t i = 0; i < kept; ++i) buf[i] = rank_key(score[i], id[i]);
+    for (int64_t i = 0; i < kept; ++i) buf[i] = rank_key(kept_score[i], kept_id[i]);
 #else
     for (int64_t j = 0; j < nb; ++j) {
       const vk v = sc[j];
@@ -644,7 +649,7 @@ struct TopK {
       uint32_t msk = 0;
       for (int64_t l = 0; l < kKeyLanes; ++l) msk |= uint32_t(v[l] >= bound) << l;
 #endif
-      if (n - j * kKeyLanes < kKeyLanes) msk &= (uint32_t(1) << (n - j * kKeyLanes)) - 1;
+      if (j == nb - 1) msk &= (uint32_t(1) << tail) - 1;
       for (; msk; msk &= msk - 1) {
         const int l = __builtin_ctz(msk);
         if (!std::isfinite(v[l])) continue;
