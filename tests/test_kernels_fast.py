@@ -211,17 +211,25 @@ def _exp_neg(x: torch.Tensor) -> torch.Tensor:
     return p * ((n.to(torch.int32) + 127) << 23).view(torch.float32)
 
 
+def _dots_exactly(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(A, D) x (B, D) -> (A, B) float32 dots summed as the kernels' dots() sums them (D % 8 == 0):
+    8 lane sums over i (from 0.f, a product then an add a step), then ((s0 + s1) + (s2 + s3)) +
+    ((s4 + s5) + (s6 + s7)) + 0.f."""
+    A, D = a.shape
+    prod = (a[:, None, :] * b[None, :, :]).view(A, b.shape[0], D // 8, 8)
+    s = torch.zeros(A, b.shape[0], 8)
+    for i in range(D // 8):
+        s = s + prod[:, :, i]
+    dot = ((s[..., 0] + s[..., 1]) + (s[..., 2] + s[..., 3])) + ((s[..., 4] + s[..., 5]) + (s[..., 6] + s[..., 7]))
+    return dot + 0.0
+
+
 def _attend_exactly(q: torch.Tensor, keys: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
     """One query row's window attention out (H, D) summed in the kernels' order: each logit a dot of
     8 lane sums over i (from 0.f), then ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)) + 0.f,
     times scale; the softmax's values summed key by key from 0.f, then divided."""
     H, D = q.shape
-    prod = (q[:, None, :] * keys[None, :, :]).view(H, keys.shape[0], D // 8, 8)
-    s = torch.zeros(H, keys.shape[0], 8)
-    for i in range(D // 8):
-        s = s + prod[:, :, i]
-    dot = ((s[..., 0] + s[..., 1]) + (s[..., 2] + s[..., 3])) + ((s[..., 4] + s[..., 5]) + (s[..., 6] + s[..., 7]))
-    logits = (dot + 0.0) * _f32(scale)
+    logits = _dots_exactly(q, keys) * _f32(scale)
     m = torch.maximum(logits.max(1).values, sink)
     p = _exp_neg(logits - m[:, None])
     denom, out = _exp_neg(sink - m), torch.zeros(H, D)
@@ -680,6 +688,8 @@ def test_a_decode_step_in_one_native_call_is_bit_identical_to_the_per_layer_path
         assert {t.dtype for i, t in enumerate(nw.bf16) if t is not None and i % native_step.NW in native_step.LINEAR} \
             == {torch.bfloat16}
         assert nw.bf16[0] is nw.tensors[0] and nw.tensors[1].dtype == torch.float32
+    else:  # what it read: the projections packed where their sizes allow (pack_rows), the rest as they were
+        assert nw.packed[1].dim() == 4 and nw.packed[0] is nw.tensors[0]
     assert len(native_calls) == 6  # every decode step, and no prefill
     for x, y in zip(a, b):
         assert torch.equal(x.decoded, y.decoded) and x.decoded.all() and torch.equal(x.hidden, y.hidden)
@@ -733,6 +743,64 @@ def test_few_row_linear_is_the_matmul_and_does_not_depend_on_the_threads(rows, n
         assert torch.equal(one, two)
         assert rows == 0 or (one - want).abs().max().item() <= 1e-4
         assert torch.equal(torch.ops.cedar_cpu.linear(x.t().contiguous().t(), w), one)  # strided rows: the same
+
+
+@needs_ext
+@pytest.mark.parametrize("n, k", [(256, 256), (2048, 256), (300, 64), (12, 512), (2, 256), (7, 40)])
+def test_few_row_linear_sums_in_dots_fixed_order_whatever_the_rows(n, k):
+    """``cedar_cpu::linear`` of 1-8 rows equals, bit for bit, each output summed in dots()'s order
+    (tests/ emulation in float32 torch ops): a decode step's projections keep one order however
+    they are tiled (8 outputs of up to 4 rows at once on AVX-512, the last n % 8 one by one), and a
+    row's outputs do not depend on which other rows share its call."""
+    gen = torch.Generator().manual_seed(n + k)
+    x, w = torch.randn(8, k, generator=gen), torch.randn(n, k, generator=gen)
+    want = _dots_exactly(x, w)
+    for rows in range(1, 9):
+        assert torch.equal(torch.ops.cedar_cpu.linear(x[:rows], w), want[:rows]), rows
+        assert torch.equal(torch.ops.cedar_cpu.linear(x[8 - rows:], w), want[8 - rows:]), rows
+
+
+@needs_ext
+def test_a_projection_changed_in_place_is_packed_again_for_the_next_decode_step():
+    """The packed copies a decode step reads follow the model's weights: an in-place update
+    (a version counter moved) repacks them; nothing changed, the same copies are read."""
+    from cedar.backend.geometries import cedar_tiny
+    from cedar.backend.model_io import random_model
+    from cedar.backend.serving.native_step import native_weights, pack_rows
+
+    model = random_model(cedar_tiny(), seed=3).eval().use_kernels(KernelSet.for_device("cpu"))
+    before = native_weights(model)
+    assert native_weights(model).packed[1] is before.packed[1]
+    with torch.no_grad():
+        model.layers[0].wq.weight.mul_(2)
+    after = native_weights(model)
+    assert torch.equal(after.packed[1], pack_rows(model.layers[0].wq.weight))
+    assert not torch.equal(after.packed[1], before.packed[1])
+
+
+@needs_ext
+@pytest.mark.parametrize("n, k", [(256, 256), (512, 256), (64, 512), (8, 8)])
+def test_packed_linear_is_the_unpacked_linear_bit_for_bit(n, k):
+    """A decode step's packed projection weights (``native_step.pack_rows``: 8 outputs' values
+    side by side, read 4 rows by 8 outputs at a time) give the unpacked weight's bits at 1-8 rows,
+    and dots()'s order at any row count; a weight that does not pack stays as it was; a packed
+    weight against rows of another width is refused with a message."""
+    from cedar.backend.serving.native_step import pack_rows
+
+    gen = torch.Generator().manual_seed(n * k)
+    x, w = torch.randn(13, k, generator=gen), torch.randn(n, k, generator=gen)
+    packed = pack_rows(w)
+    assert packed.shape == (n // 8, k // 8, 8, 8) and torch.equal(packed[0, 0, 1], w[1, :8])
+    want = _dots_exactly(x, w)
+    for rows in range(1, 14):
+        got = torch.ops.cedar_cpu.linear(x[:rows], packed)
+        assert torch.equal(got, want[:rows]), rows
+        if rows <= 8:
+            assert torch.equal(got, torch.ops.cedar_cpu.linear(x[:rows], w)), rows
+    odd = torch.randn(2, k, generator=gen)
+    assert pack_rows(odd) is odd
+    with pytest.raises(RuntimeError, match="packed weight"):
+        torch.ops.cedar_cpu.linear(torch.randn(2, k + 8), packed)
 
 
 @needs_ext

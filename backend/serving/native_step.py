@@ -48,13 +48,41 @@ ENABLED = True  # NOTE: the tests switch it off to compare with the per-layer pa
 class NativeWeights:
     """A model's weights and constants in ``decode_step``'s layout, made once per model (the
     tensors by reference: an in-place weight update is seen, a replaced Parameter is not).
+    packed: the same list with the projection weights whose sizes allow it packed
+    (:func:`pack_rows`), what a step of up to LINEAR_ROWS rows reads; remade when a projection
+    weight changes in place (``versions``: each one's version counter when it was packed).
     bf16: the same list with the projection weights as bfloat16 copies, once the model's are
     bf16 values (:func:`round_to_bf16`); None for a float32 model."""
 
     tensors: list[Tensor | None]  # L * NW
     floats: list[float]  # L * NF
     ints: list[int]  # 7 + L * NI
+    packed: list[Tensor | None]  # L * NW
+    versions: tuple[int, ...]  # of the projection weights, in list order
     bf16: list[Tensor | None] | None = None
+
+
+def pack_rows(w: Tensor) -> Tensor:
+    """A projection weight (N, K) f32 -> (N / 8, K / 8, 8, 8) f32, block b's step s holding rows
+    8b..8b+8's values 8s..8s+8 output by output (``cedar_cpu::linear_packed``'s layout: each block
+    one sequential stream; its outputs the bits of the unpacked weight's). A copy, or ``w`` itself
+    where N or K is not a multiple of 8 (2 index head weights: read unpacked)."""
+    N, K = w.shape
+    if N % 8 or K % 8 or w.dtype != torch.float32:
+        return w
+    return w.detach().view(N // 8, 8, K // 8, 8).permute(0, 2, 1, 3).contiguous()
+
+
+def _projections(tensors: list[Tensor | None]) -> list[tuple[int, Tensor]]:
+    return [(i, t) for i, t in enumerate(tensors) if t is not None and i % NW in LINEAR]
+
+
+def _packed(tensors: list[Tensor | None]) -> tuple[list[Tensor | None], tuple[int, ...]]:
+    packed, versions = list(tensors), []
+    for i, t in _projections(tensors):
+        packed[i] = pack_rows(t)
+        versions.append(t._version)
+    return packed, tuple(versions)
 
 
 _WEIGHTS: "weakref.WeakKeyDictionary[CEDModel, NativeWeights]" = weakref.WeakKeyDictionary()
@@ -82,8 +110,11 @@ def native_weights(model: CEDModel) -> NativeWeights:
             ints += [layer.num_heads, layer.index_num_heads if idx else 0, c.ratio if c is not None else 0,
                      -1 if source is None else source, -1 if source is None or topk_source is None else topk_source,
                      int(idx)]
-        _WEIGHTS[model] = NativeWeights(tensors, floats, ints)
-    return _WEIGHTS[model]
+        _WEIGHTS[model] = NativeWeights(tensors, floats, ints, *_packed(tensors))
+    nw = _WEIGHTS[model]
+    if tuple(t._version for _, t in _projections(nw.tensors)) != nw.versions:  # NOTE: a weight changed in place
+        nw = _WEIGHTS[model] = dataclasses.replace(nw, **dict(zip(("packed", "versions"), _packed(nw.tensors))))
+    return nw
 
 
 def round_to_bf16(model: CEDModel, matmul: bool = False) -> None:
@@ -110,7 +141,8 @@ def round_to_bf16(model: CEDModel, matmul: bool = False) -> None:
             bf16[i] = t.data.to(torch.bfloat16)
             if matmul and i % NW in MATMUL_BF16:
                 setattr(t, BF16_MATMUL, bf16[i])
-    _WEIGHTS[model] = dataclasses.replace(nw, bf16=bf16)
+    packed, versions = _packed(nw.tensors)  # NOTE: .data's writes leave the version counters as they were
+    _WEIGHTS[model] = dataclasses.replace(nw, bf16=bf16, packed=packed, versions=versions)
 
 
 def runs_native(model: CEDModel, keys: PoolKeys) -> bool:
@@ -150,11 +182,12 @@ def native_decode(model: CEDModel, h: Tensor, batch: RowBatch, keys: PoolKeys) -
             per[21:25] = [src.rows, src.row_scales, src.index_rows, src.index_scales]
         step += per
     nw = native_weights(model)
-    weights = nw.bf16 if nw.bf16 is not None and len(batch.lens) <= LINEAR_ROWS else nw.tensors
+    few = len(batch.lens) <= LINEAR_ROWS  # NOTE: the per-layer path's few-row matmuls (more rows: at::linear's)
+    weights = (nw.bf16 if nw.bf16 is not None else nw.packed) if few else nw.tensors
     out = torch.ops.cedar_cpu.decode_step(h, weights, nw.floats, nw.ints, step)
     keys.views.clear()  # NOTE: the pools were written behind the views' backs (they hold no data in place)
     return DecoderRows(out, dec, t.dec_source_row)
 
 
-__all__ = ["NativeWeights", "native_weights", "round_to_bf16", "runs_native", "native_decode", "NW", "NF", "NI", "NS",
+__all__ = ["NativeWeights", "native_weights", "pack_rows", "round_to_bf16", "runs_native", "native_decode", "NW", "NF", "NI", "NS",
            "NL"]

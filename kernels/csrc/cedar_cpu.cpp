@@ -402,10 +402,18 @@ inline std::tuple<at::Tensor, at::Tensor> empty_partials(const at::Tensor& q) {
 }
 
 #ifdef __AVX2__
+// reduce8(acc[c]) + 0.f for c < 8, as one vector: reduce8's tree ((s0 + s1) + (s2 + s3)) + ((s4 +
+// s5) + (s6 + s7)) for all 8 at once by two rounds of horizontal adds (each sum of two lanes a
+// commuted add of the same two values) and one add of 128-bit halves: the same bits as reduce8().
+inline __m256 reduce8x8(const __m256* acc) {
+  const __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  const __m256 y = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+  const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+  return _mm256_add_ps(sum, _mm256_setzero_ps());
+}
+
 // dot(q, rows[c], D) + 0.f for the 8 key rows rows[0..8), as one vector: each key's 8 lane sums over
-// i as dots() takes them, then reduce8's tree ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)) for
-// all 8 keys at once by two rounds of horizontal adds (each sum of two lanes a commuted add of the
-// same two values) and one add of 128-bit halves: the same bits as dots(); D % 8 == 0.
+// i as dots() takes them, then reduce8x8: the same bits as dots(); D % 8 == 0.
 // NOTE: one key at a time spent most of its time in reduce8's scalar adds, 4 heads' chains waiting
 // on each add's latency
 inline __m256 dots_8keys(const float* q, const float* const* rows, int64_t D) {
@@ -415,10 +423,7 @@ inline __m256 dots_8keys(const float* q, const float* const* rows, int64_t D) {
     const __m256 qv = _mm256_loadu_ps(q + i);
     for (int c = 0; c < 8; ++c) acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(qv, _mm256_loadu_ps(rows[c] + i)));
   }
-  const __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-  const __m256 y = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
-  const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
-  return _mm256_add_ps(sum, _mm256_setzero_ps());
+  return reduce8x8(acc);
 }
 #endif
 
@@ -1013,9 +1018,94 @@ std::tuple<at::Tensor, at::Tensor> merge_states(const at::Tensor& out_a, const a
   return {out, lse};
 }
 
+// A projection weight (N, K) packed for a decode step (backend/serving/native_step.pack_rows):
+// (N / 8, K / 8, 8, 8), block b's step s holding rows 8b..8b+8's values 8s..8s+8, output by
+// output; N % 8 == 0, K % 8 == 0. A block's values are then one sequential stream, read in the
+// order linear_packed uses them.
+// NOTE: why: dots() reads one weight row at a time (a sequential stream, but the rows of a few-row
+// call read again for every weight row, and a row alone is one add chain); 8 outputs at once
+// from the unpacked weight read 8 rows side by side, which the hardware prefetch does not follow:
+// measured slower than dots() over the model's 18 MB (1.87 against 1.12 ms a step's weights at 1
+// row), where the packed stream is faster (runs/ figures in the commit).
+constexpr int kTileRows = 4;
+
+#ifdef __AVX512F__
+// 8 outputs of MR rows: x rows m < MR (row stride K) times packed block pk -> out[m * ldo + o],
+// o < 8. Each output keeps dots()'s sums: its 8 lane sums over the steps (a product, then an add),
+// then reduce8's tree (reduce8x8), + 0.f; so an output is dots()'s bits whatever the tiling. A zmm
+// holds two outputs' 8 lanes (the row's 8 values broadcast to both halves): one weight load
+// serves MR rows, one row load 8 outputs, 4 * MR independent add chains.
+template <int MR>
+inline void linear_tile(const float* x, const float* pk, int64_t K, float* out, int64_t ldo) {
+  __m512 acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int p = 0; p < 4; ++p) acc[m][p] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < K; i += 8, pk += 64) {
+    __m512 wv[4];
+    for (int p = 0; p < 4; ++p) wv[p] = _mm512_loadu_ps(pk + 16 * p);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(x + m * K + i))));
+      for (int p = 0; p < 4; ++p) acc[m][p] = _mm512_add_ps(acc[m][p], _mm512_mul_ps(xv, wv[p]));
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    __m256 halves[8];
+    for (int p = 0; p < 4; ++p) {
+      halves[2 * p] = _mm512_castps512_ps256(acc[m][p]);
+      halves[2 * p + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[m][p]), 1));
+    }
+    _mm256_storeu_ps(out + m * ldo, reduce8x8(halves));
+  }
+}
+#else
+template <int MR>
+inline void linear_tile(const float* x, const float* pk, int64_t K, float* out, int64_t ldo) {
+  for (int m = 0; m < MR; ++m) {  // NOTE: the same sums one row at a time
+    v8 acc[8];
+    for (int o = 0; o < 8; ++o) acc[o] = v8{0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int64_t i = 0; i < K; i += 8) {
+      const v8 xv = load8(x + m * K + i);
+      for (int o = 0; o < 8; ++o) acc[o] += xv * load8(pk + i * 8 + o * 8);
+    }
+    for (int o = 0; o < 8; ++o) out[m * ldo + o] = reduce8(acc[o]) + 0.f;
+  }
+}
+#endif
+
+// x (M, K) f32 times a packed weight (N / 8, K / 8, 8, 8) -> (M, N): blocks of 8 outputs, each
+// for every row, kTileRows rows at a time; the same bits as row_linear over the unpacked weight.
+at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& pw) {
+  const int64_t M = x.size(0), K = pw.size(1) * 8, N = pw.size(0) * 8;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kFloat && pw.scalar_type() == at::kFloat &&
+                  pw.size(2) == 8 && pw.size(3) == 8 && pw.is_contiguous(),
+              "linear: a packed weight takes (M, K) float32 rows against its (N / 8, K / 8, 8, 8) float32 blocks");
+  const auto xc = x.contiguous();
+  auto out = at::empty({M, N}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = pw.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t blocks = N / 8;
+  // NOTE: two threads only where the weight is worth an OpenMP region (as row_linear)
+  at::parallel_for(0, blocks, N * K < (int64_t(1) << 16) ? blocks : (blocks + 1) / 2, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* pk = wp + b * 8 * K;
+      int64_t m = 0;
+      for (; m + kTileRows <= M; m += kTileRows) linear_tile<kTileRows>(xp + m * K, pk, K, op + m * N + b * 8, N);
+      switch (M - m) {
+        case 1: linear_tile<1>(xp + m * K, pk, K, op + m * N + b * 8, N); break;
+        case 2: linear_tile<2>(xp + m * K, pk, K, op + m * N + b * 8, N); break;
+        case 3: linear_tile<3>(xp + m * K, pk, K, op + m * N + b * 8, N); break;
+        default: break;
+      }
+    }
+  });
+  return out;
+}
+
 // x (M, K) f32 times w (N, K)^T f32 for the few rows of a decode step (M <= kLinearRows): each
 // output one dot() in its fixed order, the weight rows split across the threads. Larger M, or
-// shapes dot() does not vectorize, go to at::linear.
+// shapes dot() does not vectorize, go to at::linear. A packed w (4-D, a decode step's:
+// linear_packed) runs its tiles, the same bits as dots().
 // A bfloat16 w: M <= kLinearRows widens each weight exactly (the float32 bits over the widened
 // weight); more rows are a bf16 matmul: x rounded to bfloat16, products summed in float32 by
 // at::linear over bfloat16 (AVX512-BF16 where the CPU has it, about twice float32's rate at a
@@ -1029,6 +1119,7 @@ constexpr int64_t kLinearRows = 8;
 
 at::Tensor row_linear(const at::Tensor& x, const at::Tensor& w) {
   static const bool mkl = std::getenv("CEDAR_MKL_LINEAR") != nullptr;  // NOTE: an A/B switch for benchmarks
+  if (w.dim() == 4) return linear_packed(x, w);
   const int64_t M = x.size(0), K = w.size(1), N = w.size(0);
   const bool bf16 = w.scalar_type() == at::kBFloat16;  // NOTE: the f32 path's bits over the widened weight
   if (bf16 && x.dim() == 2 && M > kLinearRows && x.scalar_type() == at::kFloat)
