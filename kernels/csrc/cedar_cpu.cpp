@@ -1026,7 +1026,7 @@ std::tuple<at::Tensor, at::Tensor> merge_states(const at::Tensor& out_a, const a
 // call read again for every weight row, and a row alone is one add chain); 8 outputs at once
 // from the unpacked weight read 8 rows side by side, which the hardware prefetch does not follow:
 // measured slower than dots() over the model's 18 MB (1.87 against 1.12 ms a step's weights at 1
-// row), where the packed stream is faster (runs/ figures in the commit).
+// row), where the packed stream is faster (README, docs/bench/bench_packed_ab.json).
 constexpr int kTileRows = 4;
 
 #ifdef __AVX512F__
