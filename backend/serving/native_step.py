@@ -58,7 +58,8 @@ class NativeWeights:
     floats: list[float]  # L * NF
     ints: list[int]  # 7 + L * NI
     packed: list[Tensor | None]  # L * NW
-    versions: tuple[int, ...]  # of the projection weights, in list order
+    projections: tuple[Tensor, ...]  # the projection weights among tensors, in list order
+    versions: list[int]  # their version counters when packed
     bf16: list[Tensor | None] | None = None
 
 
@@ -73,16 +74,14 @@ def pack_rows(w: Tensor) -> Tensor:
     return w.detach().view(N // 8, 8, K // 8, 8).permute(0, 2, 1, 3).contiguous()
 
 
-def _projections(tensors: list[Tensor | None]) -> list[tuple[int, Tensor]]:
-    return [(i, t) for i, t in enumerate(tensors) if t is not None and i % NW in LINEAR]
-
-
-def _packed(tensors: list[Tensor | None]) -> tuple[list[Tensor | None], tuple[int, ...]]:
-    packed, versions = list(tensors), []
-    for i, t in _projections(tensors):
-        packed[i] = pack_rows(t)
-        versions.append(t._version)
-    return packed, tuple(versions)
+def _packed(tensors: list[Tensor | None]) -> dict:
+    """NativeWeights' packed, projections and versions fields for ``tensors``."""
+    packed, projections = list(tensors), []
+    for i, t in enumerate(tensors):
+        if t is not None and i % NW in LINEAR:
+            packed[i] = pack_rows(t)
+            projections.append(t)
+    return {"packed": packed, "projections": tuple(projections), "versions": [t._version for t in projections]}
 
 
 _WEIGHTS: "weakref.WeakKeyDictionary[CEDModel, NativeWeights]" = weakref.WeakKeyDictionary()
@@ -110,10 +109,10 @@ def native_weights(model: CEDModel) -> NativeWeights:
             ints += [layer.num_heads, layer.index_num_heads if idx else 0, c.ratio if c is not None else 0,
                      -1 if source is None else source, -1 if source is None or topk_source is None else topk_source,
                      int(idx)]
-        _WEIGHTS[model] = NativeWeights(tensors, floats, ints, *_packed(tensors))
+        _WEIGHTS[model] = NativeWeights(tensors, floats, ints, **_packed(tensors))
     nw = _WEIGHTS[model]
-    if tuple(t._version for _, t in _projections(nw.tensors)) != nw.versions:  # NOTE: a weight changed in place
-        nw = _WEIGHTS[model] = dataclasses.replace(nw, **dict(zip(("packed", "versions"), _packed(nw.tensors))))
+    if [t._version for t in nw.projections] != nw.versions:  # NOTE: a weight changed in place
+        nw = _WEIGHTS[model] = dataclasses.replace(nw, **_packed(nw.tensors))
     return nw
 
 
@@ -141,8 +140,8 @@ def round_to_bf16(model: CEDModel, matmul: bool = False) -> None:
             bf16[i] = t.data.to(torch.bfloat16)
             if matmul and i % NW in MATMUL_BF16:
                 setattr(t, BF16_MATMUL, bf16[i])
-    packed, versions = _packed(nw.tensors)  # NOTE: .data's writes leave the version counters as they were
-    _WEIGHTS[model] = dataclasses.replace(nw, bf16=bf16, packed=packed, versions=versions)
+    # NOTE: .data's writes leave the version counters as they were: packed again here
+    _WEIGHTS[model] = dataclasses.replace(nw, bf16=bf16, **_packed(nw.tensors))
 
 
 def runs_native(model: CEDModel, keys: PoolKeys) -> bool:
