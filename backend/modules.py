@@ -24,7 +24,7 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-LINEAR_ROWS = 8  # NOTE: cedar_cpu::linear's few-row path (kLinearRows); more rows go to at::linear
+LINEAR_ROWS = 16  # NOTE: cedar_cpu::linear's few-row path (kLinearRows); more rows go to at::linear
 BF16_MATMUL = "bf16_matmul"  # a projection weight's attribute: its bfloat16 copy, for matmuls of many rows
 
 

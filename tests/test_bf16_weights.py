@@ -26,7 +26,7 @@ SHIPPED = Path(__file__).resolve().parents[1] / "models" / "cedar-agent"
 
 
 @needs_ext
-@pytest.mark.parametrize("rows", [0, 1, 3, 5, 8])
+@pytest.mark.parametrize("rows", [0, 1, 3, 5, 8, 13, 16])
 @pytest.mark.parametrize("n, k", [(32, 64), (512, 256), (2048, 256), (7, 12)])
 def test_bf16_linear_is_the_float32_linear_over_the_widened_weights(rows, n, k):
     gen = torch.Generator().manual_seed(rows * 100 + n + k)
@@ -38,7 +38,7 @@ def test_bf16_linear_is_the_float32_linear_over_the_widened_weights(rows, n, k):
 
 
 @needs_ext
-@pytest.mark.parametrize("rows", [9, 64, 300])
+@pytest.mark.parametrize("rows", [17, 64, 300])
 @pytest.mark.parametrize("n, k", [(32, 64), (512, 256), (7, 12)])
 def test_bf16_linear_of_many_rows_is_a_bf16_matmul(rows, n, k):
     """More rows than a decode step's over a bf16 weight: the rows rounded to bf16, at::linear in

@@ -498,14 +498,16 @@ def test_cpp_rope_tables_and_rotation_are_bit_identical_to_torch(rows):
 
 
 def _mixed_decode_steps(model, weights: str = "float32"):
-    """Three requests prefilled (37, 300 and 64 tokens: one past the window), then 6 served decode
-    steps of 1 and 3 requests at odd and even positions -> (each step's StepOutput, pools, slots).
-    weights: the serving flag (bf16: the model's projection weights rounded at allocation)."""
+    """Thirteen requests prefilled (37, 300 and 64 tokens: one past the window; ten of 20-29),
+    then 6 served decode steps of 1 and 13 requests (more than 8 rows: the packed weights' tiles of
+    4 rows and their remainder) at odd and even positions -> (each step's StepOutput, pools,
+    slots). weights: the serving flag (bf16: the model's projection weights rounded at allocation)."""
     from cedar.backend.serving.driver import Driver, Req
     from cedar.backend.serving.planner import ServingFlags
 
-    d = Driver(model, ServingFlags(weights=weights), num_slots=4096, num_reqs=3)
-    reqs = [Req(f"r{b}", b, [8 + (7 * b + 3 * i) % 400 for i in range(n)]) for b, n in enumerate((37, 300, 64))]
+    lens = (37, 300, 64) + tuple(range(20, 30))
+    d = Driver(model, ServingFlags(weights=weights), num_slots=4096, num_reqs=len(lens))
+    reqs = [Req(f"r{b}", b, [8 + (7 * b + 3 * i) % 400 for i in range(n)]) for b, n in enumerate(lens)]
     for r in reqs:
         d.run([(r, len(r.ids))])
     outs = []
@@ -719,10 +721,10 @@ def test_the_cuts_rows_are_those_of_the_concatenation_without_building_it(T):
 
 
 @needs_ext
-@pytest.mark.parametrize("rows", [0, 1, 3, 8, 9])
+@pytest.mark.parametrize("rows", [0, 1, 3, 8, 13, 16, 17])
 @pytest.mark.parametrize("n, k", [(2, 256), (32, 64), (256, 256), (512, 256), (2048, 256), (7, 12)])
 def test_few_row_linear_is_the_matmul_and_does_not_depend_on_the_threads(rows, n, k):
-    """``cedar_cpu::linear``: x @ w.T within float32 summation error; for more than 8 rows or an
+    """``cedar_cpu::linear``: x @ w.T within float32 summation error; for more than 16 rows or an
     inner size it does not vectorize, exactly ``at::linear``; its own results the same bits on 1 and
     2 threads."""
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
@@ -737,7 +739,7 @@ def test_few_row_linear_is_the_matmul_and_does_not_depend_on_the_threads(rows, n
         torch.set_num_threads(threads)
     want = torch.nn.functional.linear(x, w)
     assert one.shape == want.shape == (rows, n)
-    if rows > 8 or k % 8:  # NOTE: MKL's own bits may depend on the threads
+    if rows > 16 or k % 8:  # NOTE: MKL's own bits may depend on the threads
         assert torch.equal(two, want)
     else:
         assert torch.equal(one, two)
@@ -748,16 +750,17 @@ def test_few_row_linear_is_the_matmul_and_does_not_depend_on_the_threads(rows, n
 @needs_ext
 @pytest.mark.parametrize("n, k", [(256, 256), (2048, 256), (300, 64), (12, 512), (2, 256), (7, 40)])
 def test_few_row_linear_sums_in_dots_fixed_order_whatever_the_rows(n, k):
-    """``cedar_cpu::linear`` of 1-8 rows equals, bit for bit, each output summed in dots()'s order
+    """``cedar_cpu::linear`` of 1-16 rows equals, bit for bit, each output summed in dots()'s order
     (tests/ emulation in float32 torch ops): a decode step's projections keep one order however
     they are tiled (8 outputs of up to 4 rows at once on AVX-512, the last n % 8 one by one), and a
     row's outputs do not depend on which other rows share its call."""
     gen = torch.Generator().manual_seed(n + k)
     x, w = torch.randn(8, k, generator=gen), torch.randn(n, k, generator=gen)
+    x = torch.cat([x, torch.randn(8, k, generator=gen)])
     want = _dots_exactly(x, w)
-    for rows in range(1, 9):
+    for rows in range(1, 17):
         assert torch.equal(torch.ops.cedar_cpu.linear(x[:rows], w), want[:rows]), rows
-        assert torch.equal(torch.ops.cedar_cpu.linear(x[8 - rows:], w), want[8 - rows:]), rows
+        assert torch.equal(torch.ops.cedar_cpu.linear(x[16 - rows:], w), want[16 - rows:]), rows
 
 
 @needs_ext
@@ -782,20 +785,20 @@ def test_a_projection_changed_in_place_is_packed_again_for_the_next_decode_step(
 @pytest.mark.parametrize("n, k", [(256, 256), (512, 256), (64, 512), (8, 8)])
 def test_packed_linear_is_the_unpacked_linear_bit_for_bit(n, k):
     """A decode step's packed projection weights (``native_step.pack_rows``: 8 outputs' values
-    side by side, read 4 rows by 8 outputs at a time) give the unpacked weight's bits at 1-8 rows,
+    side by side, read 4 rows by 8 outputs at a time) give the unpacked weight's bits at 1-16 rows,
     and dots()'s order at any row count; a weight that does not pack stays as it was; a packed
     weight against rows of another width is refused with a message."""
     from cedar.backend.serving.native_step import pack_rows
 
     gen = torch.Generator().manual_seed(n * k)
-    x, w = torch.randn(13, k, generator=gen), torch.randn(n, k, generator=gen)
+    x, w = torch.randn(19, k, generator=gen), torch.randn(n, k, generator=gen)
     packed = pack_rows(w)
     assert packed.shape == (n // 8, k // 8, 8, 8) and torch.equal(packed[0, 0, 1], w[1, :8])
     want = _dots_exactly(x, w)
-    for rows in range(1, 14):
+    for rows in range(1, 20):
         got = torch.ops.cedar_cpu.linear(x[:rows], packed)
         assert torch.equal(got, want[:rows]), rows
-        if rows <= 8:
+        if rows <= 16:
             assert torch.equal(got, torch.ops.cedar_cpu.linear(x[:rows], w)), rows
     odd = torch.randn(2, k, generator=gen)
     assert pack_rows(odd) is odd

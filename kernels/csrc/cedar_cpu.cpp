@@ -1114,8 +1114,11 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& pw) {
 // NOTE: why: a decode step's matmuls read every weight once and do little else (memory-bound);
 // MKL's few-row GEMM read at about 6 GB/s on one core here and slower on two, where a plain read
 // streams at 11 GB/s on one core and 19 on two (cedar bench linear). Deterministic: no output
-// depends on the thread count.
-constexpr int64_t kLinearRows = 8;
+// depends on the thread count. Up to 16 rows: a decode step of up to 16 requests (SGLang's
+// --max-running-requests here) reads its weights packed (linear_packed), and a per-layer forward
+// of as many rows must give its bits (at 12-16 rows the packed tiles took 2.8-3.2 ms for a step's
+// projections where at::linear took 4.7-4.8: README).
+constexpr int64_t kLinearRows = 16;
 
 at::Tensor row_linear(const at::Tensor& x, const at::Tensor& w) {
   static const bool mkl = std::getenv("CEDAR_MKL_LINEAR") != nullptr;  // NOTE: an A/B switch for benchmarks
@@ -1138,10 +1141,13 @@ at::Tensor row_linear(const at::Tensor& x, const at::Tensor& w) {
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     float tmp[kLinearRows];
     for (int64_t n = n0; n < n1; ++n) {
-      if (bf16)
-        dots_bf16(xp, M, hp + n * K, K, tmp);
-      else
-        dots(xp, M, wp + n * K, K, tmp);
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {  // NOTE: 8 rows at a time; each output's sums are its own
+        const int64_t rows = std::min<int64_t>(8, M - m0);
+        if (bf16)
+          dots_bf16(xp + m0 * K, rows, hp + n * K, K, tmp + m0);
+        else
+          dots(xp + m0 * K, rows, wp + n * K, K, tmp + m0);
+      }
       for (int64_t m = 0; m < M; ++m) op[m * N + n] = tmp[m];
     }
   });
