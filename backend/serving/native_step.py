@@ -188,5 +188,5 @@ def native_decode(model: CEDModel, h: Tensor, batch: RowBatch, keys: PoolKeys) -
     return DecoderRows(out, dec, t.dec_source_row)
 
 
-__all__ = ["NativeWeights", "native_weights", "pack_rows", "round_to_bf16", "runs_native", "native_decode", "NW", "NF", "NI", "NS",
-           "NL"]
+__all__ = ["NativeWeights", "native_weights", "pack_rows", "round_to_bf16", "runs_native", "native_decode", "NW", "NF",
+           "NI", "NS", "NL"]

@@ -1027,7 +1027,11 @@ std::tuple<at::Tensor, at::Tensor> merge_states(const at::Tensor& out_a, const a
 // from the unpacked weight read 8 rows side by side, which the hardware prefetch does not follow:
 // measured slower than dots() over the model's 18 MB (1.87 against 1.12 ms a step's weights at 1
 // row), where the packed stream is faster (README, docs/bench/bench_packed_ab.json).
-constexpr int kTileRows = 4;
+constexpr int kTileRows = 4;  // rows a tile multiplies at once (tiles of 6 and 8 were slower at 8 rows)
+
+// A few-row matmul's work split in two where the weight is worth an OpenMP region (256 KB: ~20 us
+// to read), else left on the calling thread: the grain of a parallel_for over n items.
+inline int64_t weight_grain(int64_t N, int64_t K, int64_t n) { return N * K < (int64_t(1) << 16) ? n : (n + 1) / 2; }
 
 #ifdef __AVX512F__
 // 8 outputs of MR rows: x rows m < MR (row stride K) times packed block pk -> out[m * ldo + o],
@@ -1085,8 +1089,7 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& pw) {
   const float* wp = pw.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t blocks = N / 8;
-  // NOTE: two threads only where the weight is worth an OpenMP region (as row_linear)
-  at::parallel_for(0, blocks, N * K < (int64_t(1) << 16) ? blocks : (blocks + 1) / 2, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, blocks, weight_grain(N, K, blocks), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const float* pk = wp + b * 8 * K;
       int64_t m = 0;
@@ -1136,9 +1139,7 @@ at::Tensor row_linear(const at::Tensor& x, const at::Tensor& w) {
   const float* wp = bf16 ? nullptr : wc.data_ptr<float>();
   const uint16_t* hp = bf16 ? reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>()) : nullptr;
   float* op = out.data_ptr<float>();
-  // NOTE: two threads only where the weight is worth an OpenMP region (256 KB: ~20 us to read)
-  const int64_t grain = N * K < (int64_t(1) << 16) ? N : (N + 1) / 2;
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, N, weight_grain(N, K, N), [&](int64_t n0, int64_t n1) {
     float tmp[kLinearRows];
     for (int64_t n = n0; n < n1; ++n) {
       for (int64_t m0 = 0; m0 < M; m0 += 8) {  // NOTE: 8 rows at a time; each output's sums are its own
