@@ -56,12 +56,13 @@ class CEDLayer(nn.Module):
         queries. NOTE: on the fast CPU backend's inference path, one C++ call running the same
         ATen ops (bit-identical; a decode step spends its time in per-call overhead)."""
         if inference_cpp(h, rope.fast):
-            idx = self.has_indexer
+            idx, T = self.has_indexer, h.shape[0]
             q, kv, iq, iw = torch.ops.cedar_cpu.layer_project(
-                h, self.attn_norm.weight, self.attn_norm.eps, self.wq.weight, self.num_heads, rope.cos, rope.sin,
-                rope.partner, self.wkv.weight if window else None, self.kv_norm.weight if window else None,
-                self.wq_index.weight if idx else None, self.w_index.weight if idx else None,
-                self.index_num_heads if idx else 0, self._index_div if idx else 1.0)
+                h, self.attn_norm.weight, self.attn_norm.eps, matmul_weight(self.wq.weight, T), self.num_heads, rope.cos,
+                rope.sin, rope.partner, matmul_weight(self.wkv.weight, T) if window else None,
+                self.kv_norm.weight if window else None, matmul_weight(self.wq_index.weight, T) if idx else None,
+                matmul_weight(self.w_index.weight, T) if idx else None, self.index_num_heads if idx else 0,
+                self._index_div if idx else 1.0)
             return Projections(q, kv if window else None, iq if idx else None, iw if idx else None)
         hn = self.attn_norm(h)
         iq, iw = self.index_queries(hn) if self.has_indexer else (None, None)
@@ -73,7 +74,8 @@ class CEDLayer(nn.Module):
         fast CPU backend's inference path, bit-identical)."""
         if inference_cpp(h, rope.fast):
             T, m = h.shape[0], self.mlp  # NOTE: only the MLP's weights carry bf16 copies (matmul_weight)
-            return torch.ops.cedar_cpu.layer_tail(h, o, rope.cos, rope.sin_inverse, rope.partner, self.wo.weight,
+            return torch.ops.cedar_cpu.layer_tail(h, o, rope.cos, rope.sin_inverse, rope.partner,
+                                                  matmul_weight(self.wo.weight, T),
                                                   self.mlp_norm.weight, self.mlp_norm.eps,
                                                   matmul_weight(m.gate_proj.weight, T),
                                                   matmul_weight(m.up_proj.weight, T), matmul_weight(m.down_proj.weight, T))

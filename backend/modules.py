@@ -26,17 +26,44 @@ class RMSNorm(nn.Module):
 
 LINEAR_ROWS = 16  # NOTE: cedar_cpu::linear's few-row path (kLinearRows); more rows go to at::linear
 BF16_MATMUL = "bf16_matmul"  # a projection weight's attribute: its bfloat16 copy, for matmuls of many rows
+PACKED = "cedar_packed"  # a projection weight's attribute: (its version counter, its pack_rows copy)
+
+
+def pack_rows(w: Tensor) -> Tensor:
+    """A projection weight (N, K) f32 -> (N / 8, K / 8, 8, 8) f32, block b's step s holding rows
+    8b..8b+8's values 8s..8s+8 output by output (``cedar_cpu::linear_packed``'s layout: each block
+    one sequential stream; its outputs the bits of the unpacked weight's). A copy, or ``w`` itself
+    where N or K is not a multiple of 8 (2 index head weights: read unpacked)."""
+    N, K = w.shape
+    if N % 8 or K % 8 or w.dtype != torch.float32:
+        return w
+    return w.detach().view(N // 8, 8, K // 8, 8).permute(0, 2, 1, 3).contiguous()
+
+
+def packed_weight(weight: Tensor, refresh: bool = False) -> Tensor:
+    """``pack_rows(weight)``, made once and kept on the weight (attribute :data:`PACKED`): the
+    copy every few-row matmul of it reads, a decode step's native call and a per-layer forward's
+    alike. Made again when the weight changed in place (its version counter moved) or with
+    ``refresh`` (a write through ``.data``, which leaves the counter as it was)."""
+    kept = getattr(weight, PACKED, None)
+    if refresh or kept is None or kept[0] != weight._version:
+        kept = (weight._version, pack_rows(weight))
+        setattr(weight, PACKED, kept)
+    return kept[1]
 
 
 def matmul_weight(weight: Tensor, rows: int) -> Tensor:
-    """The weight a matmul of ``rows`` rows reads on the fast CPU path: ``weight`` itself, or,
-    once ``cedar serve --weights bf16-matmul`` gave it a bfloat16 copy (attribute
-    :data:`BF16_MATMUL`, set on the MLP's weights by ``native_step.round_to_bf16``), that copy for more than
-    :data:`LINEAR_ROWS` rows: ``cedar_cpu::linear`` then multiplies in bf16 (the rows rounded to
-    bf16, float32 sums), a decode step's few rows keeping the float32 path. ``rows`` is a host
-    fact (a shape), never a tensor's value."""
+    """The weight a matmul of ``rows`` rows reads on the fast CPU path. Up to :data:`LINEAR_ROWS`
+    rows: its packed copy (:func:`packed_weight`; ``cedar_cpu::linear`` runs its tiles, the bits
+    of the unpacked weight's). More rows: ``weight`` itself, or, once ``cedar serve --weights
+    bf16-matmul`` gave it a bfloat16 copy (attribute :data:`BF16_MATMUL`, set on the MLP's
+    weights by ``native_step.round_to_bf16``), that copy: ``cedar_cpu::linear`` then multiplies
+    in bf16 (the rows rounded to bf16, float32 sums). ``rows`` is a host fact (a shape), never a
+    tensor's value."""
+    if rows <= LINEAR_ROWS:
+        return packed_weight(weight)
     bf16 = getattr(weight, BF16_MATMUL, None)
-    return bf16 if bf16 is not None and rows > LINEAR_ROWS else weight
+    return bf16 if bf16 is not None else weight
 
 
 def linear(x: Tensor, layer: nn.Linear, fast: bool) -> Tensor:

@@ -54,10 +54,11 @@ def test_bf16_linear_of_many_rows_is_a_bf16_matmul(rows, n, k):
 
 
 def test_matmul_weight_hands_the_mlps_bf16_copy_to_many_rows_only():
-    """bf16-matmul: the MLP's weights give matmuls of more than 8 rows their bf16 copy (the same
-    values); every other weight, and every weight of a few-row matmul or of a plain bf16 model,
-    is itself."""
-    from cedar.backend.modules import BF16_MATMUL, LINEAR_ROWS, matmul_weight
+    """bf16-matmul: the MLP's weights give matmuls of more than LINEAR_ROWS rows their bf16 copy
+    (the same values); every other weight, and every weight of a plain bf16 model, is itself
+    there. A few-row matmul reads the packed copy of the rounded weight (packed before the
+    rounding, which writes through .data and leaves the version counters: packed again)."""
+    from cedar.backend.modules import BF16_MATMUL, LINEAR_ROWS, matmul_weight, pack_rows
 
     for matmul in (False, True):
         model = load_model(SHIPPED, kernels=KernelSet.for_device("cpu"))
@@ -67,7 +68,7 @@ def test_matmul_weight_hands_the_mlps_bf16_copy_to_many_rows_only():
             others = (layer.wq, layer.wkv, layer.wo) + ((layer.wq_index, layer.w_index) if layer.has_indexer else ()) \
                 + ((layer.compressor.wkv, layer.compressor.wk_index) if layer.compressor is not None else ())
             for lin in mlp + others:
-                assert matmul_weight(lin.weight, LINEAR_ROWS) is lin.weight
+                assert torch.equal(matmul_weight(lin.weight, LINEAR_ROWS), pack_rows(lin.weight))
                 many = matmul_weight(lin.weight, LINEAR_ROWS + 1)
                 if matmul and lin in mlp:
                     assert many.dtype == torch.bfloat16 and torch.equal(many.float(), lin.weight)

@@ -769,7 +769,8 @@ def test_a_projection_changed_in_place_is_packed_again_for_the_next_decode_step(
     (a version counter moved) repacks them; nothing changed, the same copies are read."""
     from cedar.backend.geometries import cedar_tiny
     from cedar.backend.model_io import random_model
-    from cedar.backend.serving.native_step import native_weights, pack_rows
+    from cedar.backend.modules import pack_rows
+    from cedar.backend.serving.native_step import native_weights
 
     model = random_model(cedar_tiny(), seed=3).eval().use_kernels(KernelSet.for_device("cpu"))
     before = native_weights(model)
@@ -782,13 +783,41 @@ def test_a_projection_changed_in_place_is_packed_again_for_the_next_decode_step(
 
 
 @needs_ext
+def test_a_per_layer_forward_of_few_rows_reads_the_decode_steps_packed_copies_and_follows_in_place_changes():
+    """A per-layer forward of up to LINEAR_ROWS rows (a short prompt, a hit's new rows, the LM
+    head) reads the same packed copy a decode step's native call does (one copy a weight, kept
+    on it), with the unpacked weight's bits; an in-place update is read at the next call; more
+    rows read the weight itself (at::linear)."""
+    from cedar.backend.geometries import cedar_tiny
+    from cedar.backend.model_io import random_model
+    from cedar.backend.modules import LINEAR_ROWS, linear, matmul_weight, pack_rows
+    from cedar.backend.serving.native_step import native_weights
+
+    model = random_model(cedar_tiny(), seed=5).eval().use_kernels(KernelSet.for_device("cpu"))
+    wq = model.layers[0].wq
+    assert matmul_weight(wq.weight, LINEAR_ROWS) is native_weights(model).packed[1]
+    assert matmul_weight(wq.weight, LINEAR_ROWS + 1) is wq.weight
+    x = torch.randn(LINEAR_ROWS + 1, wq.weight.shape[1], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for rows in (1, 5, LINEAR_ROWS):
+            assert torch.equal(linear(x[:rows], wq, True), torch.ops.cedar_cpu.linear(x[:rows], wq.weight)), rows
+        before = linear(x[:4], wq, True)
+        wq.weight.add_(1.0)
+        after = linear(x[:4], wq, True)
+        assert not torch.equal(after, before)
+        assert torch.equal(after, _dots_exactly(x[:4], wq.weight))
+        assert torch.equal(matmul_weight(wq.weight, 4), pack_rows(wq.weight))
+        assert torch.equal(linear(x, wq, True), torch.nn.functional.linear(x, wq.weight))
+
+
+@needs_ext
 @pytest.mark.parametrize("n, k", [(256, 256), (512, 256), (64, 512), (8, 8)])
 def test_packed_linear_is_the_unpacked_linear_bit_for_bit(n, k):
-    """A decode step's packed projection weights (``native_step.pack_rows``: 8 outputs' values
+    """A decode step's packed projection weights (``modules.pack_rows``: 8 outputs' values
     side by side, read 4 rows by 8 outputs at a time) give the unpacked weight's bits at 1-16 rows,
     and dots()'s order at any row count; a weight that does not pack stays as it was; a packed
     weight against rows of another width is refused with a message."""
-    from cedar.backend.serving.native_step import pack_rows
+    from cedar.backend.modules import pack_rows
 
     gen = torch.Generator().manual_seed(n * k)
     x, w = torch.randn(19, k, generator=gen), torch.randn(n, k, generator=gen)

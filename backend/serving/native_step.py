@@ -26,7 +26,7 @@ from torch import Tensor
 from cedar.kernels.formats import GLOBAL_ROW, INDEX_ROW
 
 from ..model import CEDModel
-from ..modules import BF16_MATMUL, LINEAR_ROWS, rope_constants
+from ..modules import BF16_MATMUL, LINEAR_ROWS, packed_weight, rope_constants
 from ..rows import DecoderRows, RowBatch
 from .pool_keys import PoolKeys
 
@@ -49,7 +49,7 @@ class NativeWeights:
     """A model's weights and constants in ``decode_step``'s layout, made once per model (the
     tensors by reference: an in-place weight update is seen, a replaced Parameter is not).
     packed: the same list with the projection weights whose sizes allow it packed
-    (:func:`pack_rows`), what a step of up to LINEAR_ROWS rows reads; remade when a projection
+    (``modules.packed_weight``), what a step of up to LINEAR_ROWS rows reads; remade when a projection
     weight changes in place (``versions``: each one's version counter when it was packed).
     bf16: the same list with the projection weights as bfloat16 copies, once the model's are
     bf16 values (:func:`round_to_bf16`); None for a float32 model."""
@@ -63,23 +63,13 @@ class NativeWeights:
     bf16: list[Tensor | None] | None = None
 
 
-def pack_rows(w: Tensor) -> Tensor:
-    """A projection weight (N, K) f32 -> (N / 8, K / 8, 8, 8) f32, block b's step s holding rows
-    8b..8b+8's values 8s..8s+8 output by output (``cedar_cpu::linear_packed``'s layout: each block
-    one sequential stream; its outputs the bits of the unpacked weight's). A copy, or ``w`` itself
-    where N or K is not a multiple of 8 (2 index head weights: read unpacked)."""
-    N, K = w.shape
-    if N % 8 or K % 8 or w.dtype != torch.float32:
-        return w
-    return w.detach().view(N // 8, 8, K // 8, 8).permute(0, 2, 1, 3).contiguous()
-
-
-def _packed(tensors: list[Tensor | None]) -> dict:
-    """NativeWeights' packed, projections and versions fields for ``tensors``."""
+def _packed(tensors: list[Tensor | None], refresh: bool = False) -> dict:
+    """NativeWeights' packed, projections and versions fields for ``tensors``: the projections'
+    packed copies are the ones a per-layer forward's few-row matmuls read (``packed_weight``)."""
     packed, projections = list(tensors), []
     for i, t in enumerate(tensors):
         if t is not None and i % NW in LINEAR:
-            packed[i] = pack_rows(t)
+            packed[i] = packed_weight(t, refresh)
             projections.append(t)
     return {"packed": packed, "projections": tuple(projections), "versions": [t._version for t in projections]}
 
@@ -141,7 +131,7 @@ def round_to_bf16(model: CEDModel, matmul: bool = False) -> None:
             if matmul and i % NW in MATMUL_BF16:
                 setattr(t, BF16_MATMUL, bf16[i])
     # NOTE: .data's writes leave the version counters as they were: packed again here
-    _WEIGHTS[model] = dataclasses.replace(nw, bf16=bf16, **_packed(nw.tensors))
+    _WEIGHTS[model] = dataclasses.replace(nw, bf16=bf16, **_packed(nw.tensors, refresh=True))
 
 
 def runs_native(model: CEDModel, keys: PoolKeys) -> bool:
@@ -188,5 +178,5 @@ def native_decode(model: CEDModel, h: Tensor, batch: RowBatch, keys: PoolKeys) -
     return DecoderRows(out, dec, t.dec_source_row)
 
 
-__all__ = ["NativeWeights", "native_weights", "pack_rows", "round_to_bf16", "runs_native", "native_decode", "NW", "NF",
+__all__ = ["NativeWeights", "native_weights", "round_to_bf16", "runs_native", "native_decode", "NW", "NF",
            "NI", "NS", "NL"]

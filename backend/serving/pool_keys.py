@@ -23,7 +23,7 @@ from ..compressor import Compressor
 from ..config import CEDConfig
 from ..key_source import GlobalView, KeySource, WindowKeys
 from ..kv_codec import KVCodec
-from ..modules import rope_constants
+from ..modules import matmul_weight, rope_constants
 from ..rows import DecoderRows, RowBatch
 from cedar.kernels import cpu_ext
 from cedar.kernels.formats import GLOBAL_ROW, INDEX_ROW
@@ -80,9 +80,11 @@ class PoolKeys(KeySource):
             freqs, partner = rope_constants(comp.wkv.weight.shape[0], comp.rope_dim, comp.rope_theta, x.device)
             tail = (w.tail_src, w.tail_dst, self.slots.tail_kv[layer], self.slots.tail_gate[layer],
                     self.slots.tail_len[layer], self.tables.slots, w.tail_len) if tails else (None,) * 7
+            T = x.shape[0]  # NOTE: its weights as a per-layer forward of T rows reads them (matmul_weight)
             torch.ops.cedar_cpu.compress_decode(
-                x, comp.norm.weight, comp.norm.eps, comp.wkv.weight, comp.wgate.weight if tails else None,
-                comp.kv_norm.weight, comp.wk_index.weight, comp.index_norm.weight, r, freqs, partner, w.src, w.first_pos,
+                x, comp.norm.weight, comp.norm.eps, matmul_weight(comp.wkv.weight, T),
+                matmul_weight(comp.wgate.weight, T) if tails else None, comp.kv_norm.weight,
+                matmul_weight(comp.wk_index.weight, T), comp.index_norm.weight, r, freqs, partner, w.src, w.first_pos,
                 w.dst, *tail, src.rows, src.row_scales, src.index_rows, src.index_scales, GLOBAL_ROW.group,
                 GLOBAL_ROW.scale == "e4m3", INDEX_ROW.group, INDEX_ROW.scale == "e4m3")
             self.views.pop(layer, None)

@@ -1,6 +1,6 @@
 """A decode step's matmuls alone: MKL's ``at::linear`` against ``cedar_cpu::linear`` (the few-row
 kernel the fast CPU backend runs) over the weight as it is and packed as a native decode step
-reads it (``native_step.pack_rows``: 8 outputs at a time, the same bits), on 1 and 2 threads,
+reads it (``modules.pack_rows``: 8 outputs at a time, the same bits), on 1 and 2 threads,
 with weights read cold from memory (each call takes the next of 64 copies, 16-128 MB in all),
 beside this machine's streaming read speed:
 
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from cedar.backend.serving.native_step import pack_rows
+from cedar.backend.modules import pack_rows
 from cedar.kernels import cpu_ext
 
 SHAPES = ((256, 256), (512, 256), (256, 512), (2048, 256))  # (out, in): wq/wo, gate/up, down, lm_head
