@@ -69,6 +69,7 @@ class Driver:
         self.rt.allocate(num_slots, self.req_to_token, self.cfg.page_size)
         self.rt.snapshots = None  # NOTE: a caller passes its own store to each step
         self.next_slot = self.cfg.page_size  # page 0 is padding, as in SGLang
+        self._written: dict[int, tuple[str, int]] = {}  # request slot -> (rid, its table entries written)
 
     @property
     def pools(self):
@@ -105,7 +106,14 @@ class Driver:
             H = len(req.token_slots)
             new = self.alloc(req, n)
             req.token_slots += new
-            self.req_to_token[req.slot, :len(req.token_slots)] = torch.tensor(req.token_slots, dtype=torch.int32)
+            # NOTE: as SGLang writes its table: a request's new slots only (all of them when the
+            # row was another request's or its shared prefix is not written yet; from its length
+            # before this step where a caller cut its slots back)
+            rid, done = self._written.get(req.slot, (None, 0))
+            done = min(done, H) if rid == req.rid else 0
+            self.req_to_token[req.slot, done:len(req.token_slots)] = torch.tensor(req.token_slots[done:],
+                                                                                dtype=torch.int32)
+            self._written[req.slot] = (req.rid, len(req.token_slots))
             rids.append(req.rid); slots.append(req.slot); prefix.append(H); ext.append(n)
             ids += req.ids[H:H + n]; new_all += new
         input_ids = torch.tensor(ids, device=self.device)
