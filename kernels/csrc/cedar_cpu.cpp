@@ -41,7 +41,15 @@ const Lut& lut() {
   return l;
 }
 
-inline float e8m0(uint8_t b) { return b == 0xFF ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.f, int(b) - 127); }
+// An E8M0 scale: 2^(b - 127), NaN at 0xFF. Written as its float's bits (b << 23; b = 0, 2^-127,
+// is the subnormal 0x00400000): ldexp's value exactly, where the call to it was ~2% of a decode step
+inline float e8m0(uint8_t b) {
+  if (b == 0xFF) return std::numeric_limits<float>::quiet_NaN();
+  const uint32_t bits = b ? uint32_t(b) << 23 : 0x00400000u;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
 
 // FP8 window row (D codes, D/32 E8M0 scales) -> out[D]
 inline void dequant_fp8(const uint8_t* codes, const uint8_t* scales, int64_t D, float* out) {
