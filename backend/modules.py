@@ -26,7 +26,7 @@ class RMSNorm(nn.Module):
 
 LINEAR_ROWS = 16  # NOTE: cedar_cpu::linear's few-row path (kLinearRows); more rows go to at::linear
 BF16_MATMUL = "bf16_matmul"  # a projection weight's attribute: its bfloat16 copy, for matmuls of many rows
-PACKED = "cedar_packed"  # a projection weight's attribute: (its version counter, its pack_rows copy)
+PACKED = "cedar_packed"  # a projection weight's attribute: ((its version counter, its data pointer), its pack_rows copy)
 
 
 def pack_rows(w: Tensor) -> Tensor:
@@ -43,11 +43,12 @@ def pack_rows(w: Tensor) -> Tensor:
 def packed_weight(weight: Tensor, refresh: bool = False) -> Tensor:
     """``pack_rows(weight)``, made once and kept on the weight (attribute :data:`PACKED`): the
     copy every few-row matmul of it reads, a decode step's native call and a per-layer forward's
-    alike. Made again when the weight changed in place (its version counter moved) or with
-    ``refresh`` (a write through ``.data``, which leaves the counter as it was)."""
-    kept = getattr(weight, PACKED, None)
-    if refresh or kept is None or kept[0] != weight._version:
-        kept = (weight._version, pack_rows(weight))
+    alike. Made again when the weight changed in place (its version counter moved), when its
+    storage is another (a ``.data`` swap, which leaves the counter too) or with ``refresh``
+    (a write through ``.data``, which leaves the counter as it was)."""
+    kept, stamp = getattr(weight, PACKED, None), (weight._version, weight.data_ptr())
+    if refresh or kept is None or kept[0] != stamp:
+        kept = (stamp, pack_rows(weight))
         setattr(weight, PACKED, kept)
     return kept[1]
 

@@ -786,8 +786,8 @@ def test_a_projection_changed_in_place_is_packed_again_for_the_next_decode_step(
 def test_a_per_layer_forward_of_few_rows_reads_the_decode_steps_packed_copies_and_follows_in_place_changes():
     """A per-layer forward of up to LINEAR_ROWS rows (a short prompt, a hit's new rows, the LM
     head) reads the same packed copy a decode step's native call does (one copy a weight, kept
-    on it), with the unpacked weight's bits; an in-place update is read at the next call; more
-    rows read the weight itself (at::linear)."""
+    on it), with the unpacked weight's bits; an in-place update, or a storage swapped through
+    ``.data``, is read at the next call; more rows read the weight itself (at::linear)."""
     from cedar.backend.geometries import cedar_tiny
     from cedar.backend.model_io import random_model
     from cedar.backend.modules import LINEAR_ROWS, linear, matmul_weight, pack_rows
@@ -806,6 +806,8 @@ def test_a_per_layer_forward_of_few_rows_reads_the_decode_steps_packed_copies_an
         after = linear(x[:4], wq, True)
         assert not torch.equal(after, before)
         assert torch.equal(after, _dots_exactly(x[:4], wq.weight))
+        assert torch.equal(matmul_weight(wq.weight, 4), pack_rows(wq.weight))
+        wq.weight.data = 3 * wq.weight.detach()  # a swapped storage leaves the counter as it was
         assert torch.equal(matmul_weight(wq.weight, 4), pack_rows(wq.weight))
         assert torch.equal(linear(x, wq, True), torch.nn.functional.linear(x, wq.weight))
 
