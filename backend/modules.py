@@ -1,4 +1,6 @@
-"""Small building blocks of the CED model: RMSNorm, RoPE on a latent slice, SwiGLU MLP."""
+"""Small building blocks of the CED model: RMSNorm, RoPE on a latent slice, SwiGLU MLP, and the
+projections' linear on the fast CPU path with the weight copy each row count reads (packed for
+few rows, bfloat16 for many under ``--weights bf16-matmul``)."""
 
 from __future__ import annotations
 

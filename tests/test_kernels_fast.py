@@ -784,8 +784,8 @@ def test_a_projection_changed_in_place_is_packed_again_for_the_next_decode_step(
 
 @needs_ext
 def test_a_per_layer_forward_of_few_rows_reads_the_decode_steps_packed_copies_and_follows_in_place_changes():
-    """A per-layer forward of up to LINEAR_ROWS rows (a short prompt, a hit's new rows, the LM
-    head) reads the same packed copy a decode step's native call does (one copy a weight, kept
+    """A per-layer forward of up to LINEAR_ROWS rows (a short prompt's, a decode step's LM head)
+    reads the same packed copy a decode step's native call does (one copy a weight, kept
     on it), with the unpacked weight's bits; an in-place update, or a storage swapped through
     ``.data``, is read at the next call; more rows read the weight itself (at::linear)."""
     from cedar.backend.geometries import cedar_tiny

@@ -49,8 +49,10 @@ class NativeWeights:
     """A model's weights and constants in ``decode_step``'s layout, made once per model (the
     tensors by reference: an in-place weight update is seen, a replaced Parameter is not).
     packed: the same list with the projection weights whose sizes allow it packed
-    (``modules.packed_weight``), what a step of up to LINEAR_ROWS rows reads; remade when a projection
-    weight changes in place (``versions``: each one's version counter when it was packed).
+    (``modules.packed_weight``'s copies, the ones a per-layer forward reads too), what a step of up
+    to LINEAR_ROWS rows reads; taken again when a projection weight changes in place (``versions``:
+    each one's version counter when taken, the step's cheap check; a storage swapped through
+    ``.data`` is packed_weight's to notice, not this list's).
     bf16: the same list with the projection weights as bfloat16 copies, once the model's are
     bf16 values (:func:`round_to_bf16`); None for a float32 model."""
 

@@ -1,6 +1,6 @@
 """A decode step's matmuls alone: MKL's ``at::linear`` against ``cedar_cpu::linear`` (the few-row
-kernel the fast CPU backend runs) over the weight as it is and packed as a native decode step
-reads it (``modules.pack_rows``: 8 outputs at a time, the same bits), on 1 and 2 threads,
+kernel the fast CPU backend runs) over the weight as it is and packed as every matmul of a few
+rows reads it (``modules.pack_rows``: 8 outputs at a time, the same bits), on 1 and 2 threads,
 with weights read cold from memory (each call takes the next of 64 copies, 16-128 MB in all),
 beside this machine's streaming read speed:
 
